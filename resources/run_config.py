@@ -1,0 +1,34 @@
+"""The run configuration as a Dagster resource."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+import dagster as dg
+
+from trinity_dagster.config import TrinityConfig, load_config
+from trinity_dagster.paths import RunPaths
+
+CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"
+
+
+def config_path_from_env() -> str | None:
+    """The YAML file named by `TRINITY_DAGSTER_CONFIG`, or None for the embedded defaults."""
+    return os.environ.get(CONFIG_ENV_VAR) or None
+
+
+class RunConfigResource(dg.ConfigurableResource):
+    """Loads the run's `TrinityConfig`; every asset reads settings and paths from it."""
+
+    config_path: str | None = None
+
+    @cached_property
+    def config(self) -> TrinityConfig:
+        """The validated configuration (errors name the file and key path)."""
+        return load_config(self.config_path)
+
+    @property
+    def paths(self) -> RunPaths:
+        """The run root layout."""
+        return RunPaths.of(self.config.run_root)

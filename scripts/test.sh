@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The whole test suite as CI runs it: lint, format check, then every test, slow ones included.
+# Extra arguments go to pytest (e.g. `-m "not slow"` for a quick local run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
+exec "$VENV/bin/pytest" "$@"

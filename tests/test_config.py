@@ -1,0 +1,130 @@
+"""Configuration: defaults, YAML loading, and errors that name the file and key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trinity_dagster.config import ConfigError, TrinityConfig, load_config
+
+
+def write(tmp_path: Path, data: object, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def error_of(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+def test_embedded_defaults_are_the_cpu_demo() -> None:
+    cfg = load_config(None)
+    assert cfg.megatron.world_size == 1
+    assert cfg.model.path is None
+    assert cfg.trainer.save_hf_checkpoint == "last"
+    assert cfg.synchronizer.sync_method == "checkpoint"
+    assert Path(cfg.run_root).is_absolute()
+
+
+def test_trinity_field_names_load(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        {
+            "run_root": "out",
+            "trainer": {"total_steps": 7, "save_interval": 3, "save_hf_checkpoint": "always"},
+            "synchronizer": {"sync_interval": 2, "sync_offset": 1, "sync_style": "fixed"},
+            "buffer": {"train_batch_size": 16},
+            "megatron": {"tensor_model_parallel_size": 2},
+        },
+    )
+    cfg = load_config(path)
+    assert cfg.trainer.total_steps == 7
+    assert cfg.synchronizer.sync_offset == 1
+    assert cfg.megatron.tensor_model_parallel_size == 2
+    # a relative run root resolves against the file's directory, not the process cwd
+    assert cfg.run_root == str((tmp_path / "out").resolve())
+
+
+@pytest.mark.parametrize(
+    ("data", "key_path", "detail"),
+    [
+        ({"trainer": {"total_stepz": 3}}, "trainer.total_stepz", "unknown key"),
+        ({"trainer": {"total_steps": "many"}}, "trainer.total_steps", "integer"),
+        ({"synchronizer": {"sync_interval": 0}}, "synchronizer.sync_interval", "greater than"),
+        ({"synchronizer": {"sync_method": "rsync"}}, "synchronizer.sync_method", "checkpoint"),
+        (
+            {"trainer": {"save_hf_checkpoint": "sometimes"}},
+            "trainer.save_hf_checkpoint",
+            "always",
+        ),
+        (
+            {"megatron": {"tensor_model_parallel_size": 3}},
+            "megatron.tensor_model_parallel_size",
+            "does not divide model.num_attention_heads",
+        ),
+        (
+            {"model": {"num_attention_heads": 4, "num_query_groups": 3}},
+            "model",
+            "multiple of num_query_groups",
+        ),
+        (
+            {"buffer": {"train_batch_size": 12}, "algorithm": {"repeat_times": 8}},
+            "buffer.train_batch_size",
+            "not a multiple of algorithm.repeat_times",
+        ),
+        (
+            {"buffer": {"train_batch_size": 32}, "trainer": {"micro_batch_size": 5}},
+            "trainer.micro_batch_size",
+            "does not divide",
+        ),
+        ({"service": {"host": "0.0.0.0"}}, "service.host", "allow_non_loopback"),
+        ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "greater than 1"),
+        ({"buffers": {}}, "buffers", "unknown key"),
+    ],
+)
+def test_bad_config_names_file_and_key_path(
+    tmp_path: Path, data: dict, key_path: str, detail: str
+) -> None:
+    path = write(tmp_path, data)
+    message = error_of(path)
+    assert str(path) in message
+    assert f"  {key_path}: " in message
+    assert detail in message
+
+
+def test_several_mistakes_are_all_reported(tmp_path: Path) -> None:
+    path = write(tmp_path, {"trainer": {"total_steps": 0, "seedd": 1}})
+    message = error_of(path)
+    assert "trainer.total_steps" in message
+    assert "trainer.seedd: unknown key" in message
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    assert "not found" in error_of(tmp_path / "absent.yaml")
+    assert "invalid YAML" in error_of(write(tmp_path, "trainer: [unclosed", "bad.yaml"))
+    assert "top level must be a mapping" in error_of(write(tmp_path, "- 1\n- 2\n", "list.yaml"))
+
+
+def test_empty_file_means_defaults(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "", "empty.yaml")).trainer.total_steps == (
+        TrinityConfig().trainer.total_steps
+    )
+
+
+def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, {"trainer": {"total_steps": 5}}))
+    again = load_config(write(tmp_path, cfg.to_yaml(), "resolved.yaml"))
+    assert again == cfg
+    assert again.resolved_hash() == cfg.resolved_hash()
+
+
+def test_overrides_use_dotted_keys(tmp_path: Path) -> None:
+    cfg = load_config(None, overrides={"trainer.total_steps": 3, "run_root": str(tmp_path)})
+    assert cfg.trainer.total_steps == 3
+    with pytest.raises(ConfigError, match="trainer.bogus: unknown key"):
+        load_config(None, overrides={"trainer.bogus": 1})

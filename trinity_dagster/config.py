@@ -1,0 +1,372 @@
+"""Typed run configuration, loaded from YAML, with Trinity-RFT's field names where one exists.
+
+Every section defaults to the embedded demo: a tiny Llama-style model trained on CPU with
+everything under one run root directory. Unknown keys, wrong types and impossible
+combinations raise `ConfigError`, whose message names the file and the key path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_RUN_ROOT = "runs/demo"
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the file and key path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Section):
+    """The policy model: a local Hugging Face directory, or a tiny Llama-style model built here."""
+
+    path: str | None = Field(
+        default=None,
+        description="Local HF Llama/Qwen2 directory to start from; None builds the tiny model.",
+    )
+    vocab_size: int | None = Field(
+        default=None, ge=2, description="None: taken from the tokenizer of the task set."
+    )
+    hidden_size: int = Field(default=64, ge=8)
+    num_layers: int = Field(default=2, ge=1)
+    num_attention_heads: int = Field(default=4, ge=1)
+    num_query_groups: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
+    ffn_hidden_size: int = Field(default=176, ge=8)
+    max_position_embeddings: int = Field(default=64, ge=8)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rms_norm_eps: float = Field(default=1e-6, gt=0)
+    tie_word_embeddings: bool = True
+    max_prompt_tokens: int = Field(default=24, ge=1)
+    max_response_tokens: int = Field(default=8, ge=1)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + response) the trainer accepts."""
+        return self.max_prompt_tokens + self.max_response_tokens
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_prompt_tokens + max_response_tokens ({self.max_model_len}) exceeds "
+                f"max_position_embeddings ({self.max_position_embeddings})"
+            )
+        return self
+
+
+class AlgorithmConfig(_Section):
+    """The RL algorithm: advantage, policy loss, KL and loss aggregation, chosen by name."""
+
+    algorithm_type: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus", "opmd", "sft"] = "grpo"
+    repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
+    advantage_fn: Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"] = "grpo"
+    advantage_epsilon: float = Field(default=1e-6, gt=0)
+    policy_loss_fn: Literal["ppo", "gspo", "sft"] = "ppo"
+    clip_range_low: float = Field(default=0.2, ge=0, lt=1)
+    clip_range_high: float = Field(default=0.28, ge=0)
+    dual_clip: float | None = Field(
+        default=None, gt=1, description="Dual-clip constant c (> 1); None disables it."
+    )
+    kl_loss_fn: Literal["none", "k1", "k2", "k3", "low_var_kl", "abs"] = "none"
+    kl_loss_coef: float = Field(default=0.0, ge=0)
+    kl_penalty_fn: Literal["none", "k1", "k2", "k3", "low_var_kl", "abs"] = "none"
+    kl_penalty_coef: float = Field(default=0.0, ge=0)
+    kl_bound: float = Field(
+        default=1.0, gt=0, description="Largest actor/ppo_kl the kl_within_bound check accepts."
+    )
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    entropy_coef: float = Field(default=0.0, ge=0)
+    recompute_old_logprobs: bool = Field(
+        default=False, description="Recompute old log-probs with the trainer's weights."
+    )
+
+    @property
+    def uses_reference_model(self) -> bool:
+        """True when a frozen reference model is needed for a KL term."""
+        return (self.kl_loss_fn != "none" and self.kl_loss_coef > 0) or (
+            self.kl_penalty_fn != "none" and self.kl_penalty_coef > 0
+        )
+
+
+class BufferConfig(_Section):
+    """The experience buffer: Delta tables under the run root and how batches are sampled."""
+
+    train_batch_size: int = Field(default=32, ge=1, description="Experiences per train step.")
+    batch_unit: Literal["rows", "groups"] = Field(
+        default="groups", description="Pin whole GRPO groups, or single rows."
+    )
+    sample_strategy: Literal["fifo", "staleness_control", "priority"] = "fifo"
+    max_staleness: int = Field(default=4, ge=0, description="For staleness_control.")
+    reuse_limit: int = Field(default=1, ge=1, description="For priority: uses per experience.")
+    writer_max_retries: int = Field(default=20, ge=0)
+
+
+class OptimConfig(_Section):
+    """Optimizer and learning-rate schedule of the actor."""
+
+    optimizer: Literal["adam", "adamw"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping.")
+
+
+class TrainerConfig(_Section):
+    """The training loop: steps, checkpoints, micro-batching, seed."""
+
+    total_steps: int = Field(default=20, ge=1)
+    save_interval: int = Field(default=10, ge=0, description="0: only the final save.")
+    save_hf_checkpoint: Literal["always", "last", "never"] = "last"
+    max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
+    micro_batch_size: int = Field(default=8, ge=1)
+    seed: int = 42
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    sft_warmup_steps: int = Field(
+        default=0, ge=0, description="Steps of SFT on demonstrations before RL (demo)."
+    )
+
+
+class SynchronizerConfig(_Section):
+    """How and when trained weights reach the explorers."""
+
+    sync_method: Literal["checkpoint", "memory", "nccl"] = "checkpoint"
+    sync_style: Literal["fixed", "explorer_driven"] = "fixed"
+    sync_interval: int = Field(default=1, ge=1)
+    sync_offset: int = Field(default=0, ge=0, description="Explore steps explorers run ahead.")
+    sync_timeout: float = Field(default=600.0, gt=0, description="Seconds.")
+    keep_synced_weights: int = Field(default=2, ge=1, description="Sync-only weight dirs kept.")
+
+
+class MegatronConfig(_Section):
+    """Megatron-core parallelism and implementation choices."""
+
+    tensor_model_parallel_size: int = Field(default=1, ge=1)
+    pipeline_model_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the engine service is launched with."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.data_parallel_size
+        )
+
+
+class ExplorerConfig(_Section):
+    """The built-in explorer: task source, reward, sampling and evaluation."""
+
+    taskset: str = Field(default="arithmetic", description="A registered task set, or a JSONL path.")
+    eval_taskset: str = Field(default="arithmetic_eval")
+    reward_fn: str = Field(default="exact_match")
+    tasks_per_step: int = Field(default=4, ge=1)
+    eval_tasks: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = 0
+
+
+class ServiceConfig(_Section):
+    """The persistent trainer engine service and its control API."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
+    allow_non_loopback: bool = False
+    idle_timeout_s: float = Field(default=1800.0, gt=0)
+    start_timeout_s: float = Field(default=300.0, gt=0)
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+
+
+class DagsterConfig(_Section):
+    """How the Dagster graph behaves: sensors, schedules, concurrency."""
+
+    sensors_running: bool = Field(default=True, description="Sensors start running by default.")
+    sensor_interval_s: int = Field(default=5, ge=1)
+    schedules_running: bool = False
+    maintenance_cron: str = "0 * * * *"
+    eval_cron: str = "*/30 * * * *"
+
+
+class MonitorConfig(_Section):
+    """Logging of metrics and progress."""
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    metrics_file: bool = Field(default=True, description="Also append metrics to logs/*.jsonl.")
+
+
+class TrinityConfig(_Section):
+    """The whole run configuration."""
+
+    project: str = "trinity-dagster"
+    name: str = "demo"
+    run_root: str = Field(default=DEFAULT_RUN_ROOT, description="Everything of a run lives here.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    synchronizer: SynchronizerConfig = Field(default_factory=SynchronizerConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    explorer: ExplorerConfig = Field(default_factory=ExplorerConfig)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    dagster: DagsterConfig = Field(default_factory=DagsterConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrinityConfig:
+        tp = self.megatron.tensor_model_parallel_size
+        for field in ("num_attention_heads", "num_query_groups"):
+            if getattr(self.model, field) % tp:
+                raise _at(
+                    "megatron.tensor_model_parallel_size",
+                    f"{tp} does not divide model.{field} ({getattr(self.model, field)})",
+                )
+        if self.buffer.batch_unit == "groups" and (
+            self.buffer.train_batch_size % self.algorithm.repeat_times
+        ):
+            raise _at(
+                "buffer.train_batch_size",
+                f"{self.buffer.train_batch_size} is not a multiple of algorithm.repeat_times "
+                f"({self.algorithm.repeat_times}) while buffer.batch_unit is 'groups'",
+            )
+        per_rank, rest = divmod(self.buffer.train_batch_size, self.megatron.data_parallel_size)
+        if rest or per_rank % self.trainer.micro_batch_size:
+            raise _at(
+                "trainer.micro_batch_size",
+                f"{self.trainer.micro_batch_size} does not divide the per-rank batch "
+                f"(buffer.train_batch_size {self.buffer.train_batch_size} / "
+                f"megatron.data_parallel_size {self.megatron.data_parallel_size})",
+            )
+        if self.synchronizer.sync_method == "nccl" and self.synchronizer.sync_style != "fixed":
+            raise _at("synchronizer.sync_style", "nccl sync supports only the 'fixed' style")
+        if self.service.host not in _LOOPBACK_HOSTS and not self.service.allow_non_loopback:
+            raise _at(
+                "service.host",
+                f"{self.service.host!r} is not a loopback address; set "
+                "service.allow_non_loopback: true to expose the control API",
+            )
+        return self
+
+    def resolved_hash(self) -> str:
+        """A stable hash of the configuration that training results depend on."""
+        relevant = self.model_dump(include={"model", "algorithm", "buffer", "trainer", "megatron"})
+        blob = json.dumps(relevant, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        """The full resolved configuration as YAML."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+class _KeyPathError(ValueError):
+    """A cross-field problem found after validation, attached to a key path."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+def _at(path: str, message: str) -> _KeyPathError:
+    return _KeyPathError(path, message)
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for item in err.errors():
+        loc = ".".join(str(part) for part in item["loc"])
+        ctx_error = (item.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, _KeyPathError):
+            lines.append(f"  {ctx_error.path}: {ctx_error.message}")
+            continue
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif message.startswith("Value error, "):
+            message = message.removeprefix("Value error, ")
+        got = item.get("input")
+        suffix = "" if item["type"] in ("extra_forbidden", "missing") else f" (got {got!r})"
+        lines.append(f"  {loc or '<root>'}: {message}{suffix}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> TrinityConfig:
+    """Validate a configuration mapping; relative `run_root` resolves against `base_dir`."""
+    try:
+        cfg = TrinityConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+    root = Path(cfg.run_root).expanduser()
+    if not root.is_absolute():
+        root = (base_dir or Path.cwd()) / root
+    cfg.run_root = str(root.resolve())
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrinityConfig:
+    """Load a YAML file (None: the embedded demo defaults), apply dotted-key overrides."""
+    data: dict[str, Any] = {}
+    source = "<embedded defaults>"
+    base_dir: Path | None = None
+    if path is not None:
+        file = Path(path)
+        source = str(file)
+        if not file.is_file():
+            raise ConfigError(f"configuration file not found: {file}")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"invalid YAML in {file}: {err}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"invalid configuration in {file}: the top level must be a mapping, "
+                f"got {type(loaded).__name__}"
+            )
+        data = loaded
+        base_dir = file.resolve().parent
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    return config_from_dict(data, source, base_dir)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
