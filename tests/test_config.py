@@ -126,5 +126,5 @@ def test_resolved_yaml_round_trips(tmp_path: Path) -> None:
 def test_overrides_use_dotted_keys(tmp_path: Path) -> None:
     cfg = load_config(None, overrides={"trainer.total_steps": 3, "run_root": str(tmp_path)})
     assert cfg.trainer.total_steps == 3
-    with pytest.raises(ConfigError, match="trainer.bogus: unknown key"):
+    with pytest.raises(ConfigError, match=r"trainer\.bogus: unknown key"):
         load_config(None, overrides={"trainer.bogus": 1})

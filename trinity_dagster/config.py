@@ -187,7 +187,9 @@ class MegatronConfig(_Section):
 class ExplorerConfig(_Section):
     """The built-in explorer: task source, reward, sampling and evaluation."""
 
-    taskset: str = Field(default="arithmetic", description="A registered task set, or a JSONL path.")
+    taskset: str = Field(
+        default="arithmetic", description="A registered task set, or a JSONL path."
+    )
     eval_taskset: str = Field(default="arithmetic_eval")
     reward_fn: str = Field(default="exact_match")
     tasks_per_step: int = Field(default=4, ge=1)
@@ -323,7 +325,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def config_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None) -> TrinityConfig:
+def config_from_dict(
+    data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None
+) -> TrinityConfig:
     """Validate a configuration mapping; relative `run_root` resolves against `base_dir`."""
     try:
         cfg = TrinityConfig.model_validate(data)
@@ -336,7 +340,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>", base_dir: Pat
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> TrinityConfig:
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> TrinityConfig:
     """Load a YAML file (None: the embedded demo defaults), apply dotted-key overrides."""
     data: dict[str, Any] = {}
     source = "<embedded defaults>"

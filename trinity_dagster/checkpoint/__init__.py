@@ -1,0 +1,1 @@
+"""Checkpoints, their manifests and retention; published weights; the sync/save rules."""
