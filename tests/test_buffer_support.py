@@ -1,0 +1,58 @@
+"""Shared builders for the buffer tests (no tests here)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from trinity_dagster.config import TrinityConfig, config_from_dict
+
+
+def make_config(root: Path, **buffer: Any) -> TrinityConfig:
+    """A config rooted at `root` with groups of 2 and the given buffer settings."""
+    repeat = buffer.pop("repeat_times", 2)
+    settings = {"train_batch_size": 4, "batch_unit": "rows", **buffer}
+    return config_from_dict(
+        {
+            "run_root": str(root),
+            "algorithm": {"repeat_times": repeat},
+            "buffer": settings,
+            "trainer": {"micro_batch_size": 1},
+        }
+    )
+
+
+def make_row(
+    eid: str,
+    group: str = "g",
+    version: int = 0,
+    prompt: int = 3,
+    response: int = 2,
+    reward: float = 1.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A valid experience row with `prompt` + `response` tokens."""
+    row = {
+        "eid": eid,
+        "task_id": f"task-{group}",
+        "group_id": group,
+        "explorer_id": "ex0",
+        "tokens": list(range(1, prompt + response + 1)),
+        "prompt_length": prompt,
+        "action_mask": [True] * response,
+        "logprobs": [-0.5] * response,
+        "reward": reward,
+        "model_version": version,
+        "created_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+        "info": "{}",
+    }
+    row.update(extra)
+    return row
+
+
+def make_rows(prefix: str, n: int, group_size: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
+    """`n` valid rows; consecutive `group_size` rows share a group id."""
+    return [
+        make_row(f"{prefix}-{i}", group=f"{prefix}-g{i // group_size}", **kwargs) for i in range(n)
+    ]

@@ -1,0 +1,197 @@
+"""The validated experience writer: atomic appends, ingest_seq, quarantine with reasons."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_buffer_support import make_config, make_row, make_rows
+from trinity_dagster.buffer import EXPERIENCE_SCHEMA, ExperienceWriter
+from trinity_dagster.paths import RunPaths
+
+
+def _read(path) -> pa.Table:
+    return DeltaTable(str(path)).to_pyarrow_table()
+
+
+def test_good_rows_are_written_in_one_commit_with_ordered_seq(tmp_path):
+    config = make_config(tmp_path)
+    writer = ExperienceWriter(config)
+    first = writer.write(make_rows("a", 3))
+    second = writer.write(make_rows("b", 2))
+    assert (first.written, first.quarantined) == (3, 0)
+    assert (second.written, second.quarantined) == (2, 0)
+    table = DeltaTable(str(RunPaths.of(config.run_root).experiences))
+    # version 0 creates the table; each write is exactly one more commit
+    assert table.version() == 2 == second.version
+    rows = table.to_pyarrow_table().sort_by("ingest_seq")
+    assert rows.schema.equals(EXPERIENCE_SCHEMA)
+    assert rows.column("eid").to_pylist() == ["a-0", "a-1", "a-2", "b-0", "b-1"]
+    assert rows.column("ingest_seq").to_pylist() == [
+        (1 << 32) + 0,
+        (1 << 32) + 1,
+        (1 << 32) + 2,
+        (2 << 32) + 0,
+        (2 << 32) + 1,
+    ]
+    assert rows.column("tokens")[0].as_py() == [1, 2, 3, 4, 5]
+
+
+def test_arrow_table_input_and_defaults(tmp_path):
+    config = make_config(tmp_path)
+    rows = make_rows("t", 2)
+    for row in rows:
+        del row["explorer_id"], row["created_at"], row["info"]
+    report = ExperienceWriter(config).write(pa.Table.from_pylist(rows))
+    assert report.written == 2
+    out = _read(RunPaths.of(config.run_root).experiences)
+    assert out.column("info").to_pylist() == ["{}", "{}"]
+    assert out.column("explorer_id").to_pylist() == ["", ""]
+    assert out.column("advantages").null_count == 2
+
+
+def test_arrow_table_with_uncastable_column_quarantines_every_row(tmp_path):
+    config = make_config(tmp_path)
+    table = pa.Table.from_pylist(make_rows("t", 2)).set_column(
+        4, "tokens", pa.array([["x"], ["y"]], pa.list_(pa.string()))
+    )
+    report = ExperienceWriter(config).write(table)
+    assert (report.written, report.quarantined) == (0, 2)
+    assert all(r.field == "tokens" and "tokens" in r.reason for r in report.reasons)
+
+
+BAD_ROWS = {
+    "logprobs": lambda r: r.update(logprobs=r["logprobs"] + [-0.1]),
+    "action_mask": lambda r: r.update(action_mask=r["action_mask"] + [False]),
+    "advantages": lambda r: r.update(advantages=[0.5] * (len(r["logprobs"]) + 1)),
+    "returns": lambda r: r.update(returns=[0.5] * (len(r["logprobs"]) - 1) + [math.inf]),
+    "reward": lambda r: r.update(reward=math.nan),
+    "tokens": lambda r: r.update(prompt_length=len(r["tokens"]), action_mask=[], logprobs=[]),
+    "model_version": lambda r: r.update(model_version=-1),
+    "prompt_length": lambda r: r.update(prompt_length="3"),
+    "info": lambda r: r.update(info="{not json"),
+    "eid": lambda r: r.update(eid=""),
+    "group_id": lambda r: r.pop("group_id"),
+    "colour": lambda r: r.update(colour="red"),
+    "ingest_seq": lambda r: r.update(ingest_seq=7),
+    "created_at": lambda r: r.update(created_at="yesterday"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_ROWS))
+def test_each_bad_field_is_quarantined_and_named(tmp_path, field):
+    config = make_config(tmp_path)
+    bad = make_row("bad")
+    BAD_ROWS[field](bad)
+    report = ExperienceWriter(config).write([make_row("ok-1"), bad, make_row("ok-2")])
+    assert (report.written, report.quarantined) == (2, 1)
+    (rejection,) = report.reasons
+    assert rejection.index == 1 and rejection.field == field and field in rejection.reason
+    paths = RunPaths.of(config.run_root)
+    assert sorted(_read(paths.experiences).column("eid").to_pylist()) == ["ok-1", "ok-2"]
+    quarantined = _read(paths.quarantine).to_pylist()
+    assert len(quarantined) == 1 and quarantined[0]["field"] == field
+    assert quarantined[0]["source"] == "writer"
+    assert json.loads(quarantined[0]["row_json"])["task_id"] == "task-g"
+
+
+def test_too_long_and_unknown_version_and_duplicates(tmp_path):
+    config = make_config(tmp_path)  # max_model_len = 24 + 8
+    writer = ExperienceWriter(config, known_versions=lambda: {0, 1})
+    writer.write([make_row("seen")])
+    rows = [
+        make_row("long", prompt=config.model.max_model_len, response=1),
+        make_row("v9", version=9),
+        make_row("dup"),
+        make_row("dup"),
+        make_row("seen"),
+        make_row("fine", version=1),
+    ]
+    report = writer.write(rows)
+    reasons = {r.index: r.reason for r in report.reasons}
+    assert report.written == 2  # the first "dup" and "fine"
+    assert "exceeds model.max_model_len 32" in reasons[0]
+    assert reasons[1].startswith("model_version: 9 is not a known")
+    assert "duplicated within the write" in reasons[3]
+    assert "already in the experiences table" in reasons[4]
+    # a fresh writer (another process) sees the committed eids too
+    again = ExperienceWriter(config).write([make_row("fine")])
+    assert again.written == 0 and again.reasons[0].field == "eid"
+
+
+def test_write_with_only_bad_rows_makes_no_experience_commit(tmp_path):
+    config = make_config(tmp_path)
+    report = ExperienceWriter(config).write([make_row("x", reward=math.inf)])
+    assert (report.written, report.version) == (0, None)
+    assert DeltaTable(str(RunPaths.of(config.run_root).experiences)).version() == 0
+
+
+MUTATIONS = sorted(k for k in BAD_ROWS if k not in ("eid",))
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    plan=st.lists(
+        st.one_of(st.none(), st.sampled_from(MUTATIONS)),
+        min_size=1,
+        max_size=12,
+    ),
+    response=st.integers(min_value=1, max_value=4),
+)
+def test_fuzzed_mix_never_loses_a_good_row(tmp_path_factory, plan, response):
+    config = make_config(tmp_path_factory.mktemp("fuzz"))
+    rows, good, bad = [], [], {}
+    for i, mutation in enumerate(plan):
+        row = make_row(f"r{i}", response=response)
+        if mutation is not None:
+            BAD_ROWS[mutation](row)
+            bad[i] = mutation
+        else:
+            good.append(f"r{i}")
+        rows.append(row)
+    report = ExperienceWriter(config).write(rows)
+    assert report.written == len(good)
+    assert report.quarantined == len(bad)
+    assert {r.index: r.field for r in report.reasons} == bad
+    assert all(r.field in r.reason for r in report.reasons)
+    if good:
+        written = _read(RunPaths.of(config.run_root).experiences).column("eid").to_pylist()
+        assert sorted(written) == sorted(good)
+
+
+def test_conflicting_commit_is_retried_renumbered_and_revalidated(tmp_path, monkeypatch):
+    """A commit that loses the race is redone on the new snapshot: new seqs, eids rechecked."""
+    import trinity_dagster.buffer.writer as writer_module
+
+    config = make_config(tmp_path)
+    ExperienceWriter(config).write([make_row("first")])
+    real_write = writer_module.write_deltalake
+    calls: list[tuple[str, ...]] = []
+    race = [True]
+
+    def racing_write(table, data, **kwargs):
+        if race:  # another process commits between our snapshot and our commit
+            race.clear()
+            ExperienceWriter(config).write([make_row("rival"), make_row("both")])
+        calls.append(tuple(data.column("eid").to_pylist()))
+        return real_write(table, data, **kwargs)
+
+    monkeypatch.setattr(writer_module, "write_deltalake", racing_write)
+    report = ExperienceWriter(config).write([make_row("mine"), make_row("both")])
+    # the first attempt failed with CommitFailedError and was redone without "both"
+    assert calls == [("rival", "both"), ("mine", "both"), ("mine",)]
+    assert (report.written, report.quarantined, report.version) == (1, 1, 3)
+    assert "already in the experiences table" in report.reasons[0].reason
+    rows = _read(RunPaths.of(config.run_root).experiences).sort_by("ingest_seq")
+    assert rows.column("eid").to_pylist() == ["first", "rival", "both", "mine"]
+    assert rows.column("ingest_seq").to_pylist() == [1 << 32, 2 << 32, (2 << 32) + 1, 3 << 32]

@@ -1,0 +1,57 @@
+"""Delta maintenance of the buffer tables: compaction and vacuum, safe for pinned steps.
+
+Replay of a pinned step reads only the current version of `batches`, which neither
+compaction (a data-preserving rewrite) nor vacuum (removes only files no longer referenced)
+changes, so both are safe at any time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trinity_dagster.buffer.tables import open_table, writer_properties
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+
+
+def _tables(config: TrinityConfig) -> dict[str, Any]:
+    paths = RunPaths.of(config.run_root)
+    found = {
+        name: open_table(path)
+        for name, path in (
+            ("experiences", paths.experiences),
+            ("batches", paths.batches),
+            ("quarantine", paths.quarantine),
+        )
+    }
+    return {name: table for name, table in found.items() if table is not None}
+
+
+def compact(config: TrinityConfig) -> dict[str, dict[str, int]]:
+    """Optimize (bin-pack) every buffer table; files added/removed per table."""
+    out = {}
+    for name, table in _tables(config).items():
+        metrics = table.optimize.compact(writer_properties=writer_properties())
+        out[name] = {
+            "files_added": int(metrics.get("numFilesAdded", 0)),
+            "files_removed": int(metrics.get("numFilesRemoved", 0)),
+        }
+    return out
+
+
+def vacuum(
+    config: TrinityConfig, retention_hours: int, enforce_retention_duration: bool = True
+) -> dict[str, int]:
+    """Delete unreferenced files older than `retention_hours`; files deleted per table."""
+    if retention_hours < 0:
+        raise ValueError(f"vacuum: retention_hours must be >= 0, got {retention_hours}")
+    return {
+        name: len(
+            table.vacuum(
+                retention_hours=retention_hours,
+                dry_run=False,
+                enforce_retention_duration=enforce_retention_duration,
+            )
+        )
+        for name, table in _tables(config).items()
+    }

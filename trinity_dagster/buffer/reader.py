@@ -1,0 +1,98 @@
+"""Reading the pinned batch of a step, and turning it into padded training tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from trinity_dagster.buffer.schema import EXPERIENCE_NAMES
+from trinity_dagster.buffer.tables import open_table
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+
+if TYPE_CHECKING:
+    import torch
+
+
+class StepNotPinnedError(LookupError):
+    """The batches table holds no rows for the requested step."""
+
+
+def _paths(paths_or_config: RunPaths | TrinityConfig | str | Path) -> RunPaths:
+    if isinstance(paths_or_config, RunPaths):
+        return paths_or_config
+    if isinstance(paths_or_config, TrinityConfig):
+        return RunPaths.of(paths_or_config.run_root)
+    return RunPaths.of(paths_or_config)
+
+
+def load_step_batch(paths_or_config: RunPaths | TrinityConfig | str | Path, step: int) -> pa.Table:
+    """The experience rows pinned to train `step`, in pinned order (experience schema)."""
+    paths = _paths(paths_or_config)
+    batches = open_table(paths.batches)
+    if batches is None:
+        raise StepNotPinnedError(f"step {step} is not pinned: no batches table at {paths.batches}")
+    dataset = batches.to_pyarrow_dataset(file_pruning_predicate=f"step = {step}")
+    rows = dataset.to_table(filter=(ds.field("step") == step) & (ds.field("kind") == "train"))
+    if rows.num_rows == 0:
+        raise StepNotPinnedError(f"step {step} is not pinned in {paths.batches}")
+    return rows.sort_by("position").select(list(EXPERIENCE_NAMES))
+
+
+def _aligned(
+    values: list[list[float] | None], prompts: np.ndarray, shape: tuple[int, int], dtype: type
+) -> np.ndarray:
+    """Per-response-token values placed at the positions of their tokens."""
+    out = np.zeros(shape, dtype=dtype)
+    for i, row in enumerate(values):
+        if row:
+            out[i, prompts[i] : prompts[i] + len(row)] = row
+    return out
+
+
+def to_tensors(table: pa.Table, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded training tensors of a batch (see docs/buffer.md for each key)."""
+    import torch
+
+    if table.num_rows == 0:
+        raise ValueError("to_tensors: the batch is empty")
+    tokens = table.column("tokens").to_pylist()
+    prompts = np.asarray(table.column("prompt_length").to_pylist(), dtype=np.int64)
+    lengths = np.asarray([len(t) for t in tokens], dtype=np.int64)
+    width = int(lengths.max())
+    if pad_to is not None:
+        if pad_to < width:
+            raise ValueError(
+                f"to_tensors: pad_to {pad_to} is shorter than the longest row ({width})"
+            )
+        width = pad_to
+    shape = (table.num_rows, width)
+    token_ids = np.zeros(shape, dtype=np.int64)
+    for i, row in enumerate(tokens):
+        token_ids[i, : len(row)] = row
+    groups = table.column("group_id").to_pylist()
+    dense: dict[str, int] = {}
+    out = {
+        "tokens": torch.from_numpy(token_ids),
+        "attention_mask": torch.from_numpy(np.arange(width)[None, :] < lengths[:, None]),
+        "response_mask": torch.from_numpy(
+            _aligned(table.column("action_mask").to_pylist(), prompts, shape, np.bool_)
+        ),
+        "old_logprobs": torch.from_numpy(
+            _aligned(table.column("logprobs").to_pylist(), prompts, shape, np.float32)
+        ),
+        "rewards": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
+        "group_index": torch.tensor(
+            [dense.setdefault(g, len(dense)) for g in groups], dtype=torch.int64
+        ),
+        "model_version": torch.tensor(table.column("model_version").to_pylist(), dtype=torch.int64),
+    }
+    for name in ("advantages", "returns"):
+        values = table.column(name).to_pylist()
+        if all(v is not None for v in values):
+            out[name] = torch.from_numpy(_aligned(values, prompts, shape, np.float32))
+    return out

@@ -1,0 +1,272 @@
+"""Pinning the experiences of each train step into the `batches` table, idempotently.
+
+A pin copies the chosen experience rows into `batches` with their step, position and the
+sampler state after the step, in one Delta commit made with delta-rs' retries disabled
+against the snapshot the pin was computed on: of two concurrent pinners one wins, the other
+gets `CommitFailedError`, re-reads and returns the winner's rows. Replaying a step reads only
+`batches`, so it survives compaction and vacuum of `experiences`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+from trinity_dagster.buffer.quarantine import QuarantineRecord, append_quarantine
+from trinity_dagster.buffer.scan import PendingScan
+from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_NAMES, TIMESTAMP
+from trinity_dagster.buffer.state import SamplerState
+from trinity_dagster.buffer.strategies import (
+    BASE_COLUMNS,
+    SampleContext,
+    Selection,
+    get_strategy,
+)
+from trinity_dagster.buffer.tables import (
+    open_or_create,
+    open_table,
+    retry_commits,
+    writer_properties,
+)
+from trinity_dagster.buffer.validation import row_to_json
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+
+
+class NotEnoughDataError(RuntimeError):
+    """A forced pin found fewer eligible experiences than a batch needs."""
+
+
+class PinOrderError(ValueError):
+    """A step was pinned before its predecessor."""
+
+
+@dataclass(frozen=True)
+class NotEnoughData:
+    """The normal answer when a step cannot be pinned yet."""
+
+    have: int
+    need: int
+
+    @property
+    def message(self) -> str:
+        """'have X, need Y'."""
+        return f"have {self.have}, need {self.need}"
+
+
+@dataclass(frozen=True)
+class PinResult:
+    """The rows pinned to `step`: eids in batch order, what was read, dropped, and the state."""
+
+    step: int
+    eids: list[str]
+    source_version: int
+    strategy: str
+    state: SamplerState
+    dropped: list[str]
+    already_pinned: bool
+
+    @property
+    def newly_pinned(self) -> bool:
+        """True when this call committed the pin (False: the step was pinned before)."""
+        return not self.already_pinned
+
+    def as_metadata(self) -> dict[str, object]:
+        """Plain values for the `experience_batch` materialization."""
+        return {
+            "step": self.step,
+            "rows": len(self.eids),
+            "source_version": self.source_version,
+            "strategy": self.strategy,
+            "dropped": len(self.dropped),
+            "already_pinned": self.already_pinned,
+        }
+
+
+def _step_rows(batches: DeltaTable, steps: list[int], columns: list[str]) -> pa.Table:
+    low, high = min(steps), max(steps)
+    dataset = batches.to_pyarrow_dataset(file_pruning_predicate=f"step >= {low} AND step <= {high}")
+    return dataset.to_table(columns=columns, filter=ds.field("step").isin(steps))
+
+
+def _existing(batches: DeltaTable, step: int) -> PinResult:
+    rows = _step_rows(
+        batches, [step], ["eid", "kind", "position", "source_version", "strategy", "sampler_state"]
+    )
+    rows = rows.sort_by("position")
+    kinds = rows.column("kind").to_pylist()
+    eids = rows.column("eid").to_pylist()
+    return PinResult(
+        step=step,
+        eids=[e for e, k in zip(eids, kinds, strict=True) if k == "train"],
+        source_version=rows.column("source_version")[0].as_py(),
+        strategy=rows.column("strategy")[0].as_py(),
+        state=SamplerState.from_json(rows.column("sampler_state")[0].as_py()),
+        dropped=[e for e, k in zip(eids, kinds, strict=True) if k != "train"],
+        already_pinned=True,
+    )
+
+
+def sampler_state(config: TrinityConfig, step: int) -> SamplerState:
+    """The sampler state recorded with step `step` (0: the initial state)."""
+    if step == 0:
+        return SamplerState()
+    batches = open_table(RunPaths.of(config.run_root).batches)
+    if batches is None:
+        raise LookupError(f"step {step} is not pinned: no batches table yet")
+    rows = _step_rows(batches, [step], ["sampler_state"])
+    if rows.num_rows == 0:
+        raise LookupError(f"step {step} is not pinned in {batches.table_uri}")
+    return SamplerState.from_json(rows.column("sampler_state")[0].as_py())
+
+
+def _advance(
+    state: SamplerState,
+    step: int,
+    source_version: int,
+    candidates: pa.Table,
+    boundary: int,
+    selection: Selection,
+    reuse_limit: int,
+) -> SamplerState:
+    """The state after this pin: watermark at the oldest row still pending."""
+    uses = dict(state.uses)
+    resolved = set(state.done)
+    for eid in selection.train:
+        uses[eid] = uses.get(eid, 0) + 1
+        if uses[eid] >= reuse_limit:
+            resolved.add(eid)
+    resolved.update(eid for eid, _ in selection.dropped)
+    eids = candidates.column("eid").to_pylist()
+    seqs = candidates.column("ingest_seq").to_pylist()
+    seq_of = dict(zip(eids, seqs, strict=True))
+    pending = [s for e, s in zip(eids, seqs, strict=True) if e not in resolved]
+    watermark = min([*pending, boundary])
+    return SamplerState(
+        step=step,
+        watermark=watermark,
+        source_version=source_version,
+        done=tuple(sorted(e for e in resolved if seq_of.get(e, watermark) >= watermark)),
+        uses={e: n for e, n in sorted(uses.items()) if e not in resolved},
+    )
+
+
+def pin_batch(
+    config: TrinityConfig, step: int, *, current_version: int | None = None, force: bool = False
+) -> PinResult | NotEnoughData:
+    """Pin the experiences of train step `step` (>= 1), or return the rows already pinned.
+
+    `current_version` is the weights version the step trains from (default `step - 1`).
+    Returns `NotEnoughData` when too few eligible rows are pending; with `force=True` that
+    raises `NotEnoughDataError` instead.
+    """
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    paths = RunPaths.of(config.run_root)
+    strategy = get_strategy(config.buffer.sample_strategy)
+    version_now = step - 1 if current_version is None else current_version
+    outcome: dict[str, object] = {}
+
+    def attempt() -> None:
+        outcome.clear()
+        batches = open_or_create(paths.batches, BATCH_SCHEMA)
+        around = _step_rows(batches, [step - 1, step], ["step", "sampler_state"])
+        known = around.column("step").to_pylist()
+        if step in known:
+            outcome["result"] = _existing(batches, step)
+            return
+        if step > 1 and step - 1 not in known:
+            raise PinOrderError(
+                f"cannot pin step {step}: step {step - 1} is not pinned (steps are pinned in order)"
+            )
+        state = (
+            SamplerState.from_json(around.column("sampler_state")[known.index(step - 1)].as_py())
+            if step > 1
+            else SamplerState()
+        )
+        experiences = open_table(paths.experiences)
+        need = config.buffer.train_batch_size
+        if experiences is None:
+            outcome["result"] = NotEnoughData(have=0, need=need)
+            return
+        source_version = experiences.version()
+        context = SampleContext(config=config, current_version=version_now)
+        selection, chunk = Selection(), None
+        done = pa.array(state.done, pa.string())
+        scan = PendingScan(experiences, state.watermark, BASE_COLUMNS + list(strategy.columns))
+        for chunk in scan.chunks():
+            if strategy.full_scan and not chunk.exhausted:
+                continue
+            pending = chunk.rows.filter(pc.invert(pc.is_in(chunk.rows.column("eid"), done)))
+            selection = strategy.select(pending, context)
+            if selection.train:
+                break
+        if not selection.train or chunk is None:
+            outcome["result"] = NotEnoughData(have=selection.eligible_rows, need=need)
+            return
+        new_state = _advance(
+            state,
+            step,
+            source_version,
+            chunk.rows,
+            chunk.boundary,
+            selection,
+            config.buffer.reuse_limit,
+        )
+        dropped = [eid for eid, _ in selection.dropped]
+        chosen = selection.train + dropped
+        rows = scan.read_rows(chosen)
+        n = rows.num_rows
+        kinds = ["train"] * len(selection.train) + ["stale"] * len(dropped)
+        extra = {
+            "step": pa.array([step] * n, pa.int64()),
+            "position": pa.array(range(n), pa.int32()),
+            "kind": pa.array(kinds, pa.string()),
+            "source_version": pa.array([source_version] * n, pa.int64()),
+            "strategy": pa.array([strategy.name] * n, pa.string()),
+            "sampler_state": pa.array([new_state.to_json()] * n, pa.string()),
+            "pinned_at": pa.array([dt.datetime.now(dt.UTC)] * n, TIMESTAMP),
+        }
+        data = pa.Table.from_arrays(
+            [rows.column(c) for c in EXPERIENCE_NAMES] + list(extra.values()), schema=BATCH_SCHEMA
+        )
+        write_deltalake(
+            batches,
+            data,
+            mode="append",
+            writer_properties=writer_properties(),
+            commit_properties=CommitProperties(max_commit_retries=0),
+        )
+        outcome["result"] = PinResult(
+            step=step,
+            eids=selection.train,
+            source_version=source_version,
+            strategy=strategy.name,
+            state=new_state,
+            dropped=dropped,
+            already_pinned=False,
+        )
+        outcome["stale"] = [
+            QuarantineRecord(eid, "model_version", reason, row_to_json(row))
+            for (eid, reason), row in zip(
+                selection.dropped, rows.slice(len(selection.train)).to_pylist(), strict=True
+            )
+        ]
+
+    retry_commits(attempt, config.buffer.writer_max_retries, f"pin of step {step}")
+    result = outcome["result"]
+    append_quarantine(
+        paths.quarantine,
+        outcome.get("stale", []),  # type: ignore[arg-type]
+        source="sampler",
+        step=step,
+        max_retries=config.buffer.writer_max_retries,
+    )
+    if isinstance(result, NotEnoughData) and force:
+        raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
+    return result  # type: ignore[return-value]

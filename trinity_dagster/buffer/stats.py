@@ -1,0 +1,80 @@
+"""Cheap counts of the buffer for the Dagster `experiences` asset and the data sensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import DeltaTable
+
+from trinity_dagster.buffer.sampler import sampler_state
+from trinity_dagster.buffer.state import SamplerState
+from trinity_dagster.buffer.tables import DataFiles, add_actions, open_table
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+
+
+def _row_count(table: DeltaTable | None) -> int:
+    if table is None:
+        return 0
+    return int(pc.sum(add_actions(table).column("num_records")).as_py() or 0)
+
+
+def last_pinned_step(config: TrinityConfig) -> int:
+    """The highest pinned step (0 if none), from file statistics only."""
+    batches = open_table(RunPaths.of(config.run_root).batches)
+    if batches is None:
+        return 0
+    actions = add_actions(batches)
+    if actions.num_rows == 0:
+        return 0
+    return int(pc.max(actions.column("max.step")).as_py())
+
+
+def _rows_at_or_above(table: DeltaTable, seq: int) -> int:
+    """Rows with ingest_seq >= seq: file statistics, reading only files that straddle seq."""
+    actions = add_actions(table)
+    count = 0
+    straddling = []
+    for path, n, low, high in zip(
+        actions.column("path").to_pylist(),
+        actions.column("num_records").to_pylist(),
+        actions.column("min.ingest_seq").to_pylist(),
+        actions.column("max.ingest_seq").to_pylist(),
+        strict=True,
+    ):
+        if low is not None and low >= seq:
+            count += n
+        elif high is None or high >= seq:
+            straddling.append(path)
+    files = DataFiles(table)
+    for path in straddling:
+        fragment = files.open(path)
+        seqs = fragment.to_table(columns=["ingest_seq"], filter=ds.field("ingest_seq") >= seq)
+        count += seqs.num_rows
+    return count
+
+
+def unconsumed_count(config: TrinityConfig) -> int:
+    """Experiences not yet resolved (trained on up to their limit, or dropped)."""
+    experiences = open_table(RunPaths.of(config.run_root).experiences)
+    if experiences is None:
+        return 0
+    step = last_pinned_step(config)
+    state = sampler_state(config, step) if step else SamplerState()
+    return _rows_at_or_above(experiences, state.watermark) - len(state.done)
+
+
+def table_stats(config: TrinityConfig) -> dict[str, Any]:
+    """Row counts and versions of the buffer tables, plus the unconsumed count."""
+    paths = RunPaths.of(config.run_root)
+    experiences = open_table(paths.experiences)
+    quarantine = open_table(paths.quarantine)
+    return {
+        "row_count": _row_count(experiences),
+        "table_version": experiences.version() if experiences is not None else -1,
+        "unconsumed": unconsumed_count(config),
+        "last_pinned_step": last_pinned_step(config),
+        "quarantined": _row_count(quarantine),
+    }

@@ -1,0 +1,87 @@
+"""Opening and creating the buffer's Delta tables, and the conflict-retry loop for commits."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+from deltalake import DeltaTable, WriterProperties
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+
+from trinity_dagster.buffer.schema import ROW_GROUP_ROWS
+
+T = TypeVar("T")
+
+
+class CommitRetriesExhaustedError(RuntimeError):
+    """A commit kept conflicting with concurrent commits after all allowed retries."""
+
+
+def writer_properties() -> WriterProperties:
+    """Parquet settings for every buffer write: small row groups for row-group pruning."""
+    return WriterProperties(max_row_group_size=ROW_GROUP_ROWS, compression="SNAPPY")
+
+
+def open_table(path: Path) -> DeltaTable | None:
+    """The Delta table at `path` at its latest version, or None if there is none yet."""
+    try:
+        return DeltaTable(str(path))
+    except TableNotFoundError:
+        return None
+
+
+def open_or_create(path: Path, schema: pa.Schema) -> DeltaTable:
+    """The Delta table at `path`, created empty with `schema` if absent (safe under races)."""
+    table = open_table(path)
+    if table is not None:
+        return table
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return DeltaTable.create(str(path), schema, mode="error")
+    except (DeltaError, CommitFailedError):
+        # Another process created it between the check and the create.
+        table = open_table(path)
+        if table is None:
+            raise
+        return table
+
+
+def add_actions(table: DeltaTable) -> pa.Table:
+    """The live data files of `table` with their row counts and column statistics."""
+    return pa.table(table.get_add_actions(flatten=True))
+
+
+class DataFiles:
+    """Opens data files of one Delta table (paths as in its log) as parquet fragments."""
+
+    def __init__(self, table: DeltaTable) -> None:
+        self._filesystem, base = pafs.FileSystem.from_uri(table.table_uri)
+        self._base = base.rstrip("/")
+        self._format = ds.ParquetFileFormat()
+
+    def open(self, path: str) -> ds.FileFragment:
+        """The parquet fragment of the data file at `path` (relative to the table root)."""
+        return self._format.make_fragment(f"{self._base}/{path}", filesystem=self._filesystem)
+
+
+def retry_commits(attempt: Callable[[], T], max_retries: int, what: str) -> T:
+    """Run `attempt` until it commits; retry on CommitFailedError with jittered backoff."""
+    delay = 0.01
+    for tries in range(max_retries + 1):
+        try:
+            return attempt()
+        except CommitFailedError as err:
+            if tries == max_retries:
+                raise CommitRetriesExhaustedError(
+                    f"{what}: commit still conflicting after {max_retries} retries "
+                    f"(buffer.writer_max_retries): {err}"
+                ) from err
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+    raise AssertionError("unreachable")

@@ -1,0 +1,327 @@
+"""Row validation for the experience writer: every rejected row gets a reason naming its field."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
+
+INPUT_SCHEMA = pa.schema([f for f in EXPERIENCE_SCHEMA if f.name != "ingest_seq"])
+REQUIRED = (
+    "eid",
+    "task_id",
+    "group_id",
+    "tokens",
+    "prompt_length",
+    "action_mask",
+    "logprobs",
+    "reward",
+    "model_version",
+)
+OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "explorer_id": "",
+    "advantages": None,
+    "returns": None,
+    "created_at": None,  # filled with the write time
+    "info": "{}",
+}
+INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One rejected input row: its index in the write, eid if known, field, reason, the row."""
+
+    index: int
+    eid: str | None
+    field: str
+    reason: str
+    row_json: str
+
+    def __str__(self) -> str:
+        return f"row {self.index} (eid {self.eid!r}): {self.reason}"
+
+
+def row_to_json(row: Any) -> str:
+    """A row as JSON text for the quarantine table (never fails)."""
+    try:
+        return json.dumps(row, default=str, sort_keys=True)
+    except (TypeError, ValueError):
+        return json.dumps({"repr": repr(row)})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float | np.floating)
+
+
+def _check_list(name: str, value: Any, item_ok: Any, item_what: str) -> str | None:
+    if not isinstance(value, list | tuple | np.ndarray):
+        return f"{name}: expected a list of {item_what}, got {type(value).__name__}"
+    for i, item in enumerate(value):
+        if not item_ok(item):
+            return f"{name}[{i}]: expected {item_what}, got {item!r}"
+    return None
+
+
+def _check_field(name: str, value: Any) -> str | None:
+    """A type/range problem of one input field, or None."""
+    if name in ("eid", "task_id", "group_id", "explorer_id"):
+        if not isinstance(value, str):
+            return f"{name}: expected a string, got {type(value).__name__}"
+        if name == "eid" and not value:
+            return "eid: empty string"
+        return None
+    if name == "tokens":
+        return _check_list(
+            name, value, lambda t: _is_int(t) and 0 <= t <= INT32_MAX, "int32 token ids >= 0"
+        )
+    if name in ("prompt_length", "model_version"):
+        if not _is_int(value):
+            return f"{name}: expected an integer, got {value!r}"
+        if value < 0 or (name == "prompt_length" and value > INT32_MAX):
+            return f"{name}: out of range ({value})"
+        return None
+    if name == "action_mask":
+        return _check_list(name, value, lambda b: isinstance(b, bool | np.bool_), "booleans")
+    if name in ("logprobs", "advantages", "returns"):
+        if value is None and name != "logprobs":
+            return None
+        return _check_list(
+            name, value, lambda x: _is_number(x) and math.isfinite(x), "finite numbers"
+        )
+    if name == "reward":
+        if not _is_number(value) or not math.isfinite(value):
+            return f"reward: expected a finite number, got {value!r}"
+        return None
+    if name == "created_at":
+        if value is not None and not (isinstance(value, dt.datetime) and value.tzinfo):
+            return f"created_at: expected a timezone-aware datetime, got {value!r}"
+        return None
+    if name == "info":
+        return _check_info(value)
+    return f"{name}: unknown field"
+
+
+def _check_info(value: Any) -> str | None:
+    if isinstance(value, dict):
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as err:
+            return f"info: not JSON-serializable ({err})"
+        return None
+    if not isinstance(value, str):
+        return f"info: expected JSON text or a dict, got {type(value).__name__}"
+    try:
+        json.loads(value)
+    except ValueError:
+        return f"info: not valid JSON text ({value[:40]!r})"
+    return None
+
+
+def rows_to_table(
+    rows: Sequence[Mapping[str, Any]], now: dt.datetime
+) -> tuple[pa.Table, list[int], list[Rejection]]:
+    """Type-check mappings one by one; the good ones as a table, their input indices, rejects."""
+    good: list[dict[str, Any]] = []
+    kept: list[int] = []
+    rejects: list[Rejection] = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            rejects.append(Rejection(index, None, "<row>", "row: not a mapping", row_to_json(row)))
+            continue
+        eid = row.get("eid") if isinstance(row.get("eid"), str) else None
+        problem = _row_problem(row)
+        if problem is not None:
+            field, reason = problem
+            rejects.append(Rejection(index, eid, field, reason, row_to_json(dict(row))))
+            continue
+        clean = {**OPTIONAL_DEFAULTS, **row}
+        if clean["created_at"] is None:
+            clean["created_at"] = now
+        if isinstance(clean["info"], dict):
+            clean["info"] = json.dumps(clean["info"])
+        good.append(clean)
+        kept.append(index)
+    table = pa.Table.from_pylist(good, schema=INPUT_SCHEMA)
+    return table, kept, rejects
+
+
+def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
+    for name in row:
+        if name == "ingest_seq":
+            return name, "ingest_seq: assigned by the writer, must not be given"
+        if name not in INPUT_SCHEMA.names:
+            return str(name), f"{name}: unknown field"
+    for name in REQUIRED:
+        if name not in row:
+            return name, f"{name}: missing required field"
+    for name in INPUT_SCHEMA.names:
+        if name in row:
+            reason = _check_field(name, row[name])
+            if reason is not None:
+                return name, reason
+    return None
+
+
+def conform_table(table: pa.Table, now: dt.datetime) -> tuple[pa.Table | None, str, str]:
+    """Cast an input arrow table to the input schema, or (None, field, reason) if impossible."""
+    for name in table.column_names:
+        if name == "ingest_seq":
+            return None, name, "ingest_seq: assigned by the writer, must not be given"
+        if name not in INPUT_SCHEMA.names:
+            return None, name, f"{name}: unknown column"
+    for name in REQUIRED:
+        if name not in table.column_names:
+            return None, name, f"{name}: missing required column"
+    n = table.num_rows
+    columns = []
+    for field in INPUT_SCHEMA:
+        if field.name in table.column_names:
+            column = table.column(field.name)
+            try:
+                column = column.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+                return (
+                    None,
+                    field.name,
+                    f"{field.name}: column type {column.type} cannot be cast to {field.type} "
+                    f"({err})",
+                )
+        elif field.name == "created_at":
+            column = pa.array([now] * n, type=field.type)
+        else:
+            column = pa.array([OPTIONAL_DEFAULTS[field.name]] * n, type=field.type)
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA.with_metadata(None)), "", ""
+
+
+def _np(array: pa.ChunkedArray | pa.Array, fill: Any) -> np.ndarray:
+    return array.fill_null(fill).to_numpy(zero_copy_only=False)
+
+
+def _list_lengths(table: pa.Table, name: str) -> np.ndarray:
+    return _np(pc.list_value_length(table.column(name)), -1).astype(np.int64)
+
+
+def _bad_children(table: pa.Table, name: str, bad: Any) -> np.ndarray:
+    """Row mask: some element of list column `name` is null or matches `bad(values)`."""
+    column = table.column(name).combine_chunks()
+    mask = np.zeros(table.num_rows, dtype=bool)
+    if len(column) == 0:
+        return mask
+    values = pc.list_flatten(column)
+    parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+    flags = values.is_null().to_numpy(zero_copy_only=False)
+    if bad is not None:
+        flags = flags | _np(bad(values), True)
+    mask[parents[flags]] = True
+    return mask
+
+
+def semantic_checks(
+    table: pa.Table,
+    max_model_len: int,
+    known_versions: set[int] | None,
+    existing_eids: set[str],
+) -> list[tuple[str, str] | None]:
+    """Per row: None if valid, else (field, reason) for its first problem."""
+    n = table.num_rows
+    problems: list[tuple[str, str] | None] = [None] * n
+
+    def flag(mask: np.ndarray, field: str, describe: Any) -> None:
+        for i in np.flatnonzero(mask):
+            if problems[i] is None:
+                problems[i] = (field, describe(int(i)))
+
+    for field in INPUT_SCHEMA:
+        if not field.nullable:
+            nulls = table.column(field.name).is_null().to_numpy(zero_copy_only=False)
+            flag(nulls, field.name, lambda i, f=field.name: f"{f}: null in a non-nullable column")
+    eids = table.column("eid").to_pylist()
+    flag(np.array([e == "" for e in eids], dtype=bool), "eid", lambda i: "eid: empty string")
+    n_tokens = _list_lengths(table, "tokens")
+    prompt = _np(table.column("prompt_length"), 0).astype(np.int64)
+    response = n_tokens - prompt
+    flag(prompt < 0, "prompt_length", lambda i: f"prompt_length: negative ({prompt[i]})")
+    flag(
+        _bad_children(table, "tokens", lambda v: pc.less(v, 0)),
+        "tokens",
+        lambda i: "tokens: null or negative token id",
+    )
+    flag(
+        (n_tokens >= 0) & (response < 1),
+        "tokens",
+        lambda i: f"tokens: empty response (len(tokens)={n_tokens[i]}, prompt_length={prompt[i]})",
+    )
+    flag(
+        n_tokens > max_model_len,
+        "tokens",
+        lambda i: f"tokens: length {n_tokens[i]} exceeds model.max_model_len {max_model_len}",
+    )
+    finite = pc.is_finite
+    for name, nullable in (
+        ("logprobs", False),
+        ("action_mask", False),
+        ("advantages", True),
+        ("returns", True),
+    ):
+        lengths = _list_lengths(table, name)
+        present = lengths >= 0 if nullable else np.ones(n, dtype=bool)
+        flag(
+            present & (lengths != response),
+            name,
+            lambda i, nm=name, ln=lengths: (
+                f"{nm}: length {ln[i]} != response length "
+                f"{response[i]} (len(tokens) - prompt_length)"
+            ),
+        )
+        check = None if name == "action_mask" else (lambda v: pc.invert(finite(v)))
+        flag(
+            _bad_children(table, name, check),
+            name,
+            lambda i, nm=name: f"{nm}: null or non-finite value",
+        )
+    rewards = _np(table.column("reward"), 0.0).astype(np.float64)
+    flag(~np.isfinite(rewards), "reward", lambda i: f"reward: not finite ({rewards[i]})")
+    versions = _np(table.column("model_version"), 0).astype(np.int64)
+    flag(versions < 0, "model_version", lambda i: f"model_version: negative ({versions[i]})")
+    if known_versions is not None:
+        unknown = np.array([v not in known_versions for v in versions.tolist()], dtype=bool)
+        flag(
+            unknown,
+            "model_version",
+            lambda i: (
+                f"model_version: {versions[i]} is not a known weights version "
+                f"(known: {sorted(known_versions)[-5:]}...)"
+            ),
+        )
+    infos = table.column("info").to_pylist()
+    flag(
+        np.array([s is not None and _check_info(s) is not None for s in infos], dtype=bool),
+        "info",
+        lambda i: _check_info(infos[i]) or "",
+    )
+    seen: set[str] = set()
+    for i, eid in enumerate(eids):
+        if problems[i] is not None or eid is None:
+            continue
+        if eid in existing_eids:
+            problems[i] = ("eid", f"eid: {eid!r} already in the experiences table")
+        elif eid in seen:
+            problems[i] = ("eid", f"eid: {eid!r} duplicated within the write")
+        else:
+            seen.add(eid)
+    return problems

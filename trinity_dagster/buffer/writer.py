@@ -1,0 +1,151 @@
+"""The validated experience writer: one atomic Delta commit per write, bad rows quarantined.
+
+`ingest_seq` is derived from the table version the commit lands at:
+`ingest_seq = (version << 32) + row index`. Every commit is attempted with delta-rs'
+own retries disabled, against the snapshot the rows were validated and numbered on; if
+another process committed first, Delta raises `CommitFailedError` and the write is
+re-validated (eid uniqueness) and renumbered against the new snapshot, with backoff. A
+version is committed by exactly one writer, so sequence numbers are unique across processes
+and strictly increasing in commit order, and eid uniqueness is checked against exactly the
+rows committed before.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+from trinity_dagster.buffer.quarantine import QuarantineRecord, append_quarantine
+from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA, seq_floor
+from trinity_dagster.buffer.tables import (
+    DataFiles,
+    add_actions,
+    open_or_create,
+    retry_commits,
+    writer_properties,
+)
+from trinity_dagster.buffer.validation import (
+    INPUT_SCHEMA,
+    Rejection,
+    conform_table,
+    row_to_json,
+    rows_to_table,
+    semantic_checks,
+)
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """What one write did: rows committed, rows quarantined with reasons, the commit version."""
+
+    written: int
+    quarantined: int
+    version: int | None
+    reasons: list[Rejection] = field(default_factory=list)
+
+    def as_metadata(self) -> dict[str, Any]:
+        """Plain counts for run metadata."""
+        return {"written": self.written, "quarantined": self.quarantined, "version": self.version}
+
+
+class ExperienceWriter:
+    """Appends validated experiences to the run's experiences table; safe across processes."""
+
+    def __init__(
+        self, config: TrinityConfig, known_versions: Callable[[], set[int]] | None = None
+    ) -> None:
+        self._paths = RunPaths.of(config.run_root)
+        self._max_len = config.model.max_model_len
+        self._max_retries = config.buffer.writer_max_retries
+        self._known_versions = known_versions
+        self._eids: set[str] = set()
+        self._seen_files: set[str] = set()
+
+    def write(self, rows: Sequence[Mapping[str, Any]] | pa.Table) -> WriteReport:
+        """Validate `rows`, append the valid ones in one commit, quarantine the rest."""
+        now = dt.datetime.now(dt.UTC)
+        structural: list[Rejection] = []
+        if isinstance(rows, pa.Table):
+            table, bad_field, bad_reason = conform_table(rows, now)
+            if table is None:
+                structural = [
+                    Rejection(i, None, bad_field, bad_reason, row_to_json(row))
+                    for i, row in enumerate(rows.to_pylist())
+                ]
+                table = INPUT_SCHEMA.empty_table()
+            kept = list(range(table.num_rows))
+        else:
+            table, kept, structural = rows_to_table(rows, now)
+        known = self._known_versions() if self._known_versions is not None else None
+        outcome: dict[str, Any] = {}
+
+        def attempt() -> None:
+            delta = open_or_create(self._paths.experiences, EXPERIENCE_SCHEMA)
+            self._refresh_eids(delta)
+            problems = semantic_checks(table, self._max_len, known, self._eids)
+            good = np.array([p is None for p in problems], dtype=bool)
+            valid = table.filter(pa.array(good)) if table.num_rows else table
+            version = delta.version() + 1
+            if valid.num_rows:
+                seqs = pa.array(seq_floor(version) + np.arange(valid.num_rows), pa.int64())
+                data = valid.append_column(EXPERIENCE_SCHEMA.field("ingest_seq"), seqs)
+                write_deltalake(
+                    delta,
+                    data,
+                    mode="append",
+                    writer_properties=writer_properties(),
+                    commit_properties=CommitProperties(max_commit_retries=0),
+                )
+                self._eids.update(valid.column("eid").to_pylist())
+            outcome.update(problems=problems, written=valid.num_rows, version=version)
+
+        retry_commits(attempt, self._max_retries, f"experience write to {self._paths.experiences}")
+        rejects = structural + self._semantic_rejects(table, kept, outcome["problems"])
+        rejects.sort(key=lambda r: r.index)
+        append_quarantine(
+            self._paths.quarantine,
+            [QuarantineRecord(r.eid, r.field, r.reason, r.row_json) for r in rejects],
+            source="writer",
+            max_retries=self._max_retries,
+        )
+        return WriteReport(
+            written=outcome["written"],
+            quarantined=len(rejects),
+            version=outcome["version"] if outcome["written"] else None,
+            reasons=rejects,
+        )
+
+    @staticmethod
+    def _semantic_rejects(
+        table: pa.Table, kept: list[int], problems: list[tuple[str, str] | None]
+    ) -> list[Rejection]:
+        bad = [i for i, p in enumerate(problems) if p is not None]
+        if not bad:
+            return []
+        rows = table.take(pa.array(bad, pa.int64())).to_pylist()
+        out = []
+        for i, row in zip(bad, rows, strict=True):
+            bad_field, reason = problems[i]  # type: ignore[misc]
+            eid = row["eid"] if isinstance(row.get("eid"), str) else None
+            out.append(Rejection(kept[i], eid, bad_field, reason, row_to_json(row)))
+        return out
+
+    def _refresh_eids(self, delta: DeltaTable) -> None:
+        """Add the eids of data files not read before (compaction rewrites are harmless)."""
+        paths = add_actions(delta).column("path").to_pylist()
+        new = [p for p in paths if p not in self._seen_files]
+        if not new:
+            return
+        files = DataFiles(delta)
+        for path in new:
+            eids = files.open(path).to_table(columns=["eid"]).column("eid")
+            self._eids.update(eids.to_pylist())
+            self._seen_files.add(path)
