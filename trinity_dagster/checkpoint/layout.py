@@ -5,6 +5,11 @@
     checkpoints/latest_checkpointed_iteration.txt   newest complete checkpoint step
     checkpoints/latest_state_dict_iteration.txt     newest published weights version
     weights/global_step_N/                     sync-only published weights (HF format)
+    .global_step_N.tmp-<hex>/                  a checkpoint or weights directory being written
+    .global_step_N.trash-<hex>/                a directory being deleted
+
+Only a `global_step_N/` directory is ever read as a version; it appears by an atomic rename of
+its finished temp directory.
 
 Weights version v is the train step that produced them; version 0 is the initial model.
 """
@@ -12,14 +17,32 @@ Weights version v is the train step that produced them; version 0 is the initial
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from trinity_dagster.paths import RunPaths
 
 LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
 LATEST_WEIGHTS_FILE = "latest_state_dict_iteration.txt"
 HF_SUBDIR = "huggingface"
+_FINAL_NAME = re.compile(r"global_step_(\d+)")
+_SCRATCH_NAME = re.compile(r"\.global_step_(\d+)\.(tmp|trash)-[0-9a-f]+")
+
+DirKind = Literal["final", "tmp", "trash"]
+
+
+@dataclass(frozen=True)
+class StepDir:
+    """A per-step directory found on disk: finished (`final`), being written, or being deleted."""
+
+    step: int
+    path: Path
+    kind: DirKind
 
 
 def step_dir_name(step: int) -> str:
@@ -50,6 +73,37 @@ def weights_dir(paths: RunPaths, version: int) -> Path:
     )
 
 
+def scratch_dir(
+    parent: Path, step: int, kind: Literal["tmp", "trash"] = "tmp", tag: str | None = None
+) -> Path:
+    """A hidden path `.global_step_N.<kind>-<hex>` under `parent` (not created).
+
+    `tag` (hex) names it deterministically, e.g. so that every rank agrees on it; by default
+    the name is random.
+    """
+    tag = uuid.uuid4().hex if tag is None else tag
+    if not re.fullmatch(r"[0-9a-f]+", tag):
+        raise ValueError(f"scratch directory tag must be lowercase hex, got {tag!r}")
+    return parent / f".{step_dir_name(step)}.{kind}-{tag}"
+
+
+def scan_step_dirs(parent: Path) -> list[StepDir]:
+    """Every per-step directory under `parent`, sorted by step (final before scratch)."""
+    found: list[StepDir] = []
+    if not parent.is_dir():
+        return found
+    for entry in parent.iterdir():
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        if match := _FINAL_NAME.fullmatch(entry.name):
+            found.append(StepDir(int(match.group(1)), entry, "final"))
+        elif match := _SCRATCH_NAME.fullmatch(entry.name):
+            kind: DirKind = "tmp" if match.group(2) == "tmp" else "trash"
+            found.append(StepDir(int(match.group(1)), entry, kind))
+    order = {"final": 0, "tmp": 1, "trash": 2}
+    return sorted(found, key=lambda d: (d.step, order[d.kind], d.path.name))
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace `path` with `text` atomically: temp file in the same directory, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,11 +117,7 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(path.parent)
 
 
 def read_marker(path: Path) -> int | None:
@@ -99,3 +149,23 @@ def set_latest_checkpoint_step(paths: RunPaths, step: int) -> None:
 def set_latest_weights_version(paths: RunPaths, version: int) -> None:
     """Move the published-weights marker to `version` (call only once its files are complete)."""
     write_atomic(paths.checkpoints / LATEST_WEIGHTS_FILE, f"{version}\n")
+
+
+def discard_dir(path: Path, step: int) -> None:
+    """Delete a per-step directory crash-safely: rename it to a `trash` name first, then remove.
+
+    A crash midway leaves a `.global_step_N.trash-*` directory, never a damaged `global_step_N/`.
+    """
+    trash = scratch_dir(path.parent, step, "trash")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (renames, new files) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
