@@ -1,0 +1,152 @@
+"""The built-in explorer: rollouts of published weights on a task set, as experience rows.
+
+`Explorer.explore(step)` samples `explorer.tasks_per_step` tasks, generates
+`algorithm.repeat_times` responses to each (one GRPO group per task), scores them with the
+configured reward function and returns rows with the columns of the experience schema in
+docs/architecture.md (without `ingest_seq`, which the buffer writer assigns). The tasks depend
+only on (`explorer.seed`, step) and the sampling on (`explorer.seed`, step, explorer id), so
+exploring a step twice with the same weights gives the same rows up to `eid` and `created_at`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.explorer.generation import Generation, SamplingParams, generate
+from trinity_dagster.explorer.policy import load_policy, resolve_version
+from trinity_dagster.explorer.rewards import get_reward_fn
+from trinity_dagster.explorer.tasks import Task, TaskSet, load_taskset
+from trinity_dagster.explorer.tokenizer import encode_prompt, load_tokenizer
+from trinity_dagster.paths import RunPaths
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed determined by `parts` (stable across processes, unlike `hash`)."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def encode_taskset(
+    tokenizer: PreTrainedTokenizerBase, taskset: TaskSet, max_prompt_tokens: int
+) -> dict[str, list[int]]:
+    """Prompt ids per task id; a prompt too long or with unknown characters names its task."""
+    encoded: dict[str, list[int]] = {}
+    for task in taskset:
+        where = f"task set {taskset.name!r}, task {task.task_id!r}"
+        ids = encode_prompt(tokenizer, task.prompt, where)
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"{where}: the prompt is {len(ids)} tokens, more than model.max_prompt_tokens "
+                f"({max_prompt_tokens})"
+            )
+        encoded[task.task_id] = ids
+    return encoded
+
+
+class Explorer:
+    """Generates experience rows with the published weights; keeps one model loaded."""
+
+    def __init__(
+        self, config: TrinityConfig, paths: RunPaths, explorer_id: str = "explorer-0"
+    ) -> None:
+        self.config = config
+        self.paths = paths
+        self.explorer_id = explorer_id
+        self.taskset = load_taskset(config.explorer.taskset, config.explorer.seed)
+        self.reward_fn = get_reward_fn(config.explorer.reward_fn)
+        self.tokenizer = load_tokenizer(paths.tokenizer)
+        self._prompt_ids = encode_taskset(
+            self.tokenizer, self.taskset, config.model.max_prompt_tokens
+        )
+        self._model: PreTrainedModel | None = None
+        self.loaded_version: int | None = None
+
+    def policy(self, version: int) -> PreTrainedModel:
+        """The model of weights `version`, loaded only if another version is loaded now."""
+        if self._model is None or self.loaded_version != version:
+            self._model = None
+            self._model = load_policy(self.paths, version)
+            self.loaded_version = version
+        return self._model
+
+    def sample_tasks(self, step: int) -> list[Task]:
+        """The tasks of explore step `step` (a function of `explorer.seed` and `step`)."""
+        rng = random.Random(derive_seed("tasks", self.config.explorer.seed, step))
+        return self.taskset.sample(self.config.explorer.tasks_per_step, rng)
+
+    def explore(self, step: int, version: int | None = None) -> list[dict[str, Any]]:
+        """Experience rows of step `step` from weights `version` (None: the latest published)."""
+        version = resolve_version(self.paths, version)
+        model = self.policy(version)
+        tasks = self.sample_tasks(step)
+        repeat = self.config.algorithm.repeat_times
+        prompts = [self._prompt_ids[task.task_id] for task in tasks for _ in range(repeat)]
+        generator = torch.Generator().manual_seed(
+            derive_seed("sampling", self.config.explorer.seed, step, self.explorer_id)
+        )
+        params = SamplingParams(
+            max_new_tokens=self.config.model.max_response_tokens,
+            temperature=self.config.explorer.temperature,
+            top_p=self.config.explorer.top_p,
+        )
+        generations = generate(
+            model,
+            prompts,
+            params,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            generator=generator,
+        )
+        created_at = datetime.now(UTC)
+        rows = []
+        for index, generation in enumerate(generations):
+            slot = index // repeat
+            task = tasks[slot]
+            group_id = f"{self.explorer_id}:{step}:{slot}:{task.task_id}"
+            rows.append(self._row(task, group_id, prompts[index], generation, version, created_at))
+        return rows
+
+    def _row(
+        self,
+        task: Task,
+        group_id: str,
+        prompt_ids: list[int],
+        generation: Generation,
+        version: int,
+        created_at: datetime,
+    ) -> dict[str, Any]:
+        response = self.tokenizer.decode(generation.response_ids, skip_special_tokens=False)
+        info = {
+            "taskset": self.taskset.name,
+            "prompt": task.prompt,
+            "answer": task.answer,
+            "response": response,
+            "finished": generation.finished,
+            "temperature": self.config.explorer.temperature,
+            "top_p": self.config.explorer.top_p,
+        }
+        return {
+            "eid": str(uuid.uuid4()),
+            "task_id": task.task_id,
+            "group_id": group_id,
+            "explorer_id": self.explorer_id,
+            "tokens": [*prompt_ids, *generation.response_ids],
+            "prompt_length": len(prompt_ids),
+            "action_mask": [True] * len(generation.response_ids),
+            "logprobs": list(generation.logprobs),
+            "reward": float(self.reward_fn(response, task.answer)),
+            "advantages": None,
+            "returns": None,
+            "model_version": version,
+            "created_at": created_at,
+            "info": json.dumps(info),
+        }

@@ -1,0 +1,37 @@
+"""Loading published weights as a rollout policy: `transformers`, fp32, CPU, eval mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trinity_dagster.checkpoint.layout import latest_weights_version, weights_dir
+from trinity_dagster.paths import RunPaths
+
+
+def resolve_version(paths: RunPaths, version: int | None) -> int:
+    """`version`, or the newest published one when None; a clear error if none is published."""
+    if version is not None:
+        if version < 0:
+            raise ValueError(f"weights version must be >= 0, got {version}")
+        return version
+    latest = latest_weights_version(paths)
+    if latest is None:
+        raise FileNotFoundError(
+            f"no published weights under {paths.root}: create version 0 first "
+            "(trinity_dagster.explorer.initial_model.create_initial_model)"
+        )
+    return latest
+
+
+def load_policy(paths: RunPaths, version: int) -> PreTrainedModel:
+    """The model of weights `version` in fp32 on the CPU, in eval mode."""
+    return load_policy_dir(weights_dir(paths, version))
+
+
+def load_policy_dir(directory: Path) -> PreTrainedModel:
+    """The model saved in HF directory `directory` in fp32 on the CPU, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return model.to("cpu").eval()

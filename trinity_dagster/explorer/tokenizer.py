@@ -1,0 +1,77 @@
+"""The character-level tokenizer of the built-in task sets, in Hugging Face format.
+
+Every character of `CHARSET` is one token; `<bos>` is prepended to encoded text, `<eos>` ends
+a response and `<pad>` fills batches. Decoding concatenates tokens without separators.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+CHARSET = string.digits + "+-*/=?" + " " + string.ascii_letters + ".,:;!'()"
+
+
+def unknown_chars(text: str) -> list[str]:
+    """The characters of `text` the built-in tokenizer cannot encode, in order of appearance."""
+    seen: list[str] = []
+    for char in text:
+        if char not in CHARSET and char not in seen:
+            seen.append(char)
+    return seen
+
+
+def build_tokenizer(out_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer; saved with `save_pretrained` into `out_dir` if given."""
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARSET))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    if out_dir is not None:
+        tokenizer.save_pretrained(str(out_dir))
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in HF directory `path`; a clear error if there is none."""
+    directory = Path(path)
+    if not (directory / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"no tokenizer in {directory}: tokenizer_config.json is missing")
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _ids(tokenizer: PreTrainedTokenizerBase, text: str, where: str) -> list[int]:
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    unk = tokenizer.unk_token_id
+    if unk is not None and unk in ids:
+        bad = unknown_chars(text) or ["?"]
+        raise ValueError(f"{where}: {text!r} has characters the tokenizer does not know: {bad}")
+    return ids
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, where: str) -> list[int]:
+    """Prompt token ids: `<bos>` and the prompt's tokens; unknown characters raise."""
+    ids = _ids(tokenizer, prompt, where)
+    return [tokenizer.bos_token_id, *ids] if tokenizer.bos_token_id is not None else ids
+
+
+def encode_response(tokenizer: PreTrainedTokenizerBase, text: str, where: str) -> list[int]:
+    """Response token ids: the text's tokens and `<eos>`; unknown characters raise."""
+    return [*_ids(tokenizer, text, where), tokenizer.eos_token_id]
