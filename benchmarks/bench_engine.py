@@ -1,0 +1,172 @@
+"""Tokens/s of a GRPO train step: the Megatron-core TrainEngine vs a plain PyTorch loop.
+
+The baseline is transformers' LlamaForCausalLM (default attention) with torch AdamW and the
+same loss math (GRPO advantages, PPO-clip, token-mean, entropy as a metric, grad clipping),
+on the same random model, sizes and batches. Both run in this process, alternating step by
+step after warm-up; each side's fastest measured step counts (the machine is shared). The
+last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_hf_dir(path: Path, args: argparse.Namespace) -> None:
+    """A random Llama of the benchmark's size, saved with transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads // 2,
+        max_position_embeddings=2 * args.seq,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
+
+
+def make_batch(seed: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """Full-length rows: half prompt, half response, groups of 4, plausible old log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, seq = args.batch, args.seq
+    response = torch.zeros(rows, seq, dtype=torch.bool)
+    response[:, seq // 2 :] = True
+    old = torch.where(response, -torch.rand(rows, seq, generator=gen) - 8.5, torch.zeros(()))
+    return {
+        "tokens": torch.randint(0, args.vocab, (rows, seq), generator=gen),
+        "attention_mask": torch.ones(rows, seq, dtype=torch.bool),
+        "response_mask": response,
+        "old_logprobs": old,
+        "rewards": torch.rand(rows, generator=gen),
+        "group_index": torch.arange(rows) // 4,
+    }
+
+
+def build_engine(hf_dir: Path, args: argparse.Namespace):
+    """A TrainEngine on the benchmark model (single process)."""
+    from trinity_dagster.config import config_from_dict
+    from trinity_dagster.engine.engine import TrainEngine
+
+    config = config_from_dict(
+        {
+            "run_root": str(hf_dir.parent / "run"),
+            "model": {
+                "max_prompt_tokens": args.seq // 2,
+                "max_response_tokens": args.seq // 2,
+                "max_position_embeddings": 2 * args.seq,
+            },
+            "algorithm": {"repeat_times": 4},
+            "buffer": {"train_batch_size": args.batch},
+            "trainer": {
+                "micro_batch_size": args.micro_batch,
+                "total_steps": args.warmup + args.steps,
+                "optim": {"lr": 1e-5},
+            },
+        }
+    )
+    return TrainEngine(config, hf_dir)
+
+
+def torch_step(model, optimizer, batch: dict[str, torch.Tensor], micro_batch: int) -> float:
+    """One GRPO step of the plain loop (same advantages, PPO-clip loss, clipping); entropy."""
+    rewards, groups = batch["rewards"].double(), batch["group_index"]
+    adv_seq = torch.empty_like(rewards)
+    for g in groups.unique():
+        rows = groups == g
+        adv_seq[rows] = (rewards[rows] - rewards[rows].mean()) / (rewards[rows].std() + 1e-6)
+    num_tokens = batch["response_mask"].sum()
+    entropy = 0.0
+    optimizer.zero_grad()
+    for start in range(0, batch["tokens"].shape[0], micro_batch):
+        part = {k: v[start : start + micro_batch] for k, v in batch.items()}
+        tokens, mask = part["tokens"], part["response_mask"]
+        logits = model(input_ids=tokens, attention_mask=part["attention_mask"].long()).logits
+        logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logp = torch.nn.functional.pad(logp_all.gather(-1, tokens[:, 1:, None])[..., 0], (1, 0))
+        with torch.no_grad():
+            entropy += float((-(logp_all.exp() * logp_all).sum(-1))[mask[:, 1:]].sum())
+        adv = adv_seq[start : start + micro_batch, None].float().expand_as(logp)
+        ratio = torch.exp((logp - part["old_logprobs"]).clamp(-20, 20))
+        surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+        (surrogate[mask].sum() / num_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return entropy / float(num_tokens)
+
+
+def timed(fn) -> float:
+    """Wall seconds of `fn()`."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=1408)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    tokens_per_step = args.batch * args.seq
+    engine_times: list[float] = []
+    torch_times: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        hf_dir = Path(tmp) / "hf"
+        make_hf_dir(hf_dir, args)
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(hf_dir).float().train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+        engine = build_engine(hf_dir, args)
+        try:
+            # Alternate the two so that load from other processes hits both alike.
+            for step in range(1, args.warmup + args.steps + 1):
+                batch = make_batch(step, args)
+                engine_s = timed(lambda b=batch, n=step: engine.train_step(n, b))
+                torch_s = timed(lambda b=batch: torch_step(model, optimizer, b, args.micro_batch))
+                if step > args.warmup:
+                    engine_times.append(engine_s)
+                    torch_times.append(torch_s)
+        finally:
+            engine.close()
+    engine_s, torch_s = min(engine_times), min(torch_times)
+    result = {
+        "engine_tokens_per_s": round(tokens_per_step / engine_s, 1),
+        "torch_tokens_per_s": round(tokens_per_step / torch_s, 1),
+        "ratio": round(torch_s / engine_s, 3),
+        "engine_step_s": round(engine_s, 3),
+        "torch_step_s": round(torch_s, 3),
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "seq": args.seq,
+        "batch": args.batch,
+        "micro_batch": args.micro_batch,
+        "vocab": args.vocab,
+        "measured_steps": args.steps,
+        "engine_step_s_all": [round(t, 3) for t in engine_times],
+        "torch_step_s_all": [round(t, 3) for t in torch_times],
+        "threads": torch.get_num_threads(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

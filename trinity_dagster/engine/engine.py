@@ -1,0 +1,367 @@
+"""`TrainEngine`: the Megatron-core actor that the engine service holds on every rank.
+
+It owns the process groups, the policy model (DDP-wrapped), an optional frozen reference
+model, the optimizer and LR scheduler, and trains one step at a time on the dicts made by
+`trinity_dagster.buffer.reader.to_tensors`. Every rank receives the whole batch; each trains
+on its data-parallel slice, and every rank returns the same metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+from trinity_dagster.algorithms import apply_kl_penalty, compute_advantages, mask_counts
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.engine import hf_weights
+from trinity_dagster.engine.batch_check import BatchError, check_batch
+from trinity_dagster.engine.model import build_gpt_model, local_logits
+from trinity_dagster.engine.optim import build_optimizer, build_scheduler
+from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
+from trinity_dagster.engine.state import (
+    Layout,
+    SaveHandle,
+    SaveQueue,
+    load_engine_state,
+    save_engine_state,
+)
+from trinity_dagster.engine.train_step import (
+    LossSettings,
+    micro_batch_loss,
+    step_metrics,
+    token_logprobs_and_entropy,
+)
+
+MICRO_BATCH_KEYS = ("tokens", "attention_mask", "response_mask", "old_logprobs", "advantages")
+
+
+class StepOrderError(ValueError):
+    """`train_step(N)` was called while the engine is not at step N-1."""
+
+
+class TrainEngine:
+    """The trainable actor on this rank; construct it on every rank of the engine service."""
+
+    def __init__(self, config: TrinityConfig, hf_dir: Path) -> None:
+        """Initialize distributed state and build the model from the HF directory `hf_dir`."""
+        if config.megatron.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                "megatron.pipeline_model_parallel_size > 1 is not supported by TrainEngine yet"
+            )
+        self.config = config
+        self.hf_dir = Path(hf_dir)
+        config_file = self.hf_dir / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"HF model directory {self.hf_dir} has no config.json")
+        self.hf_config: dict[str, Any] = json.loads(config_file.read_text())
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        self.parallel: ParallelInfo = init_distributed(config.megatron, config.trainer.seed)
+        np.random.seed(config.trainer.seed)
+        dtype = config.megatron.params_dtype
+        self._gpt: GPTModel = build_gpt_model(self.hf_config, config.megatron, params_dtype=dtype)
+        hf_weights.load_hf_into_model(self._gpt, self.hf_dir)
+        self.model = DistributedDataParallel(
+            config=self._gpt.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=config.megatron.use_distributed_optimizer,
+            ),
+            module=self._gpt,
+        )
+        self._gpt.config.no_sync_func = self.model.no_sync
+        self._gpt.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = build_optimizer([self.model], config.trainer.optim, config.megatron)
+        self._gpt.config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = build_scheduler(
+            self.optimizer, config.trainer.optim, config.trainer.total_steps
+        )
+        self.reference: GPTModel | None = None
+        if config.algorithm.uses_reference_model:
+            self.reference = build_gpt_model(self.hf_config, config.megatron, params_dtype=dtype)
+            hf_weights.load_hf_into_model(self.reference, self.hf_dir)
+            self.reference.eval().requires_grad_(False)
+        self._async_saves = SaveQueue()
+        self.step = 0
+
+    # -- training -------------------------------------------------------------------------
+
+    def train_step(self, step: int, batch: dict[str, Tensor]) -> dict[str, float]:
+        """Train step `step` (must be `self.step + 1`) on `batch`; the step's metrics.
+
+        Raises `StepOrderError` for a step out of order and `BatchError` for a bad batch,
+        both before any weight changes.
+        """
+        started = time.perf_counter()
+        if step != self.step + 1:
+            raise StepOrderError(
+                f"train_step({step}) refused: the engine is at step {self.step}, so the next "
+                f"step must be {self.step + 1}"
+            )
+        check_batch(
+            batch,
+            max_model_len=self.config.model.max_model_len,
+            vocab_size=self.hf_config["vocab_size"],
+            data_parallel_size=self.parallel.dp_size,
+        )
+        algo = self.config.algorithm
+        device = self.parallel.device
+        batch = {key: value.to(device) for key, value in batch.items() if value is not None}
+        local = self._local_slice(batch)
+        if algo.recompute_old_logprobs:
+            local["old_logprobs"] = self._logprobs(self._gpt, local)
+        if self.reference is not None:
+            local["ref_logprobs"] = self._logprobs(self.reference, local)
+        advantages, extra = self._advantages(batch, local)
+        local["advantages"] = self._slice_rows(advantages)
+        num_tokens, num_seqs = mask_counts(batch["response_mask"])
+        settings = self._loss_settings(step, num_tokens, num_seqs)
+        micro_batches = self._micro_batches(local)
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        outputs = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, settings, len(micro_batches)),
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(int(mb["tokens"].shape[1]) for mb in micro_batches),
+            micro_batch_size=self.config.trainer.micro_batch_size,
+            forward_only=False,
+        )
+        summed = torch.stack(outputs).sum(dim=0)
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        if self.config.trainer.optim.grad_clip == 0:
+            grad_norm = self.optimizer.get_grad_norm()
+        ok, clip_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError(f"step {step}: the optimizer skipped the update (grad overflow)")
+        grad_norm = clip_norm if self.config.trainer.optim.grad_clip > 0 else grad_norm
+        self.scheduler.step(increment=1)
+        self.step = step
+
+        metrics = step_metrics(summed, num_tokens)
+        metrics.update(extra)
+        metrics.update(self._batch_metrics(batch, advantages))
+        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/lr"] = lr
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        metrics["time/train_step"] = float(elapsed)
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / float(elapsed)
+        return metrics
+
+    def _forward_step(
+        self, settings: LossSettings, num_microbatches: int, data_iterator, model
+    ) -> tuple[Tensor, Any]:
+        micro_batch = next(data_iterator)
+        logits = local_logits(self._gpt, micro_batch["tokens"], micro_batch["attention_mask"])
+        # The schedule divides by the number of micro-batches and DDP averages over DP ranks;
+        # each piece's loss already is its exact share of the batch loss, so undo both.
+        scale = num_microbatches * self.parallel.dp_size
+
+        def loss_func(output: Tensor) -> tuple[Tensor, Tensor]:
+            loss, figures = micro_batch_loss(output, micro_batch, settings)
+            return loss * scale, figures
+
+        return logits, loss_func
+
+    def _local_slice(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {
+            key: self._slice_rows(batch[key])
+            for key in MICRO_BATCH_KEYS
+            if batch.get(key) is not None
+        }
+
+    def _slice_rows(self, tensor: Tensor) -> Tensor:
+        rows = tensor.shape[0] // self.parallel.dp_size
+        start = self.parallel.dp_rank * rows
+        return tensor[start : start + rows]
+
+    def _micro_batches(self, local: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        size = self.config.trainer.micro_batch_size
+        rows = local["tokens"].shape[0]
+        pieces = []
+        for start in range(0, rows, size):
+            piece = {key: value[start : start + size] for key, value in local.items()}
+            length = int(piece["attention_mask"].sum(dim=1).max())
+            pieces.append({key: value[:, :length].contiguous() for key, value in piece.items()})
+        return pieces
+
+    @torch.no_grad()
+    def _logprobs(self, model: GPTModel, local: dict[str, Tensor]) -> Tensor:
+        """Log-probs [b, L] of the local rows' tokens under `model`, zero-padded to L."""
+        out = torch.zeros(local["tokens"].shape, dtype=torch.float32, device=self.parallel.device)
+        was_training = model.training
+        model.eval()
+        for start, piece in zip(
+            range(0, out.shape[0], self.config.trainer.micro_batch_size),
+            self._micro_batches(local),
+            strict=True,
+        ):
+            logits = local_logits(model, piece["tokens"], piece["attention_mask"])
+            logprobs, _ = token_logprobs_and_entropy(
+                logits,
+                piece["tokens"],
+                temperature=self.config.explorer.temperature,
+                entropy_grad=False,
+            )
+            rows, length = logprobs.shape
+            out[start : start + rows, :length] = logprobs.float()
+        model.train(was_training)
+        return out
+
+    def _advantages(
+        self, batch: dict[str, Tensor], local: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, float]]:
+        """Advantages [B, L] of the whole batch, and KL-penalty metrics if one is applied."""
+        algo = self.config.algorithm
+        if batch.get("advantages") is not None:
+            return batch["advantages"].float(), {}
+        rewards: Tensor = batch["rewards"].float()
+        extra: dict[str, float] = {}
+        if algo.kl_penalty_fn != "none" and algo.kl_penalty_coef > 0:
+            local_rewards, kl_metrics = apply_kl_penalty(
+                self._slice_rows(rewards),
+                local["old_logprobs"],
+                local["ref_logprobs"],
+                local["response_mask"],
+                algo.kl_penalty_fn,
+                algo.kl_penalty_coef,
+            )
+            rewards = self._gather_rows(local_rewards)
+            mean_kl = kl_metrics["kl"].reshape(1).double()
+            dist.all_reduce(mean_kl, group=parallel_state.get_data_parallel_group())
+            extra = {
+                "critic/kl": float(mean_kl) / self.parallel.dp_size,
+                "critic/kl_coef": algo.kl_penalty_coef,
+            }
+        advantages = compute_advantages(
+            algo.advantage_fn,
+            rewards,
+            batch["group_index"],
+            batch["response_mask"],
+            epsilon=algo.advantage_epsilon,
+        )
+        return advantages.float(), extra
+
+    def _gather_rows(self, local: Tensor) -> Tensor:
+        """The whole batch's rows, gathered in rank order from every data-parallel rank."""
+        if self.parallel.dp_size == 1:
+            return local
+        pieces = [torch.empty_like(local) for _ in range(self.parallel.dp_size)]
+        dist.all_gather(pieces, local.contiguous(), group=parallel_state.get_data_parallel_group())
+        return torch.cat(pieces)
+
+    def _loss_settings(self, step: int, num_tokens: float, num_seqs: float) -> LossSettings:
+        algo = self.config.algorithm
+        sft = step <= self.config.trainer.sft_warmup_steps
+        return LossSettings(
+            policy_loss_fn="sft" if sft else algo.policy_loss_fn,
+            clip_range_low=algo.clip_range_low,
+            clip_range_high=algo.clip_range_high,
+            dual_clip=algo.dual_clip,
+            loss_agg_mode=algo.loss_agg_mode,
+            kl_loss_fn=algo.kl_loss_fn,
+            kl_loss_coef=algo.kl_loss_coef,
+            entropy_coef=algo.entropy_coef,
+            temperature=self.config.explorer.temperature,
+            max_response_len=self.config.model.max_response_tokens,
+            global_num_tokens=num_tokens,
+            global_num_seqs=num_seqs,
+        )
+
+    @staticmethod
+    def _batch_metrics(batch: dict[str, Tensor], advantages: Tensor) -> dict[str, float]:
+        rewards = batch["rewards"].double()
+        mask = batch["response_mask"]
+        return {
+            "critic/rewards/mean": float(rewards.mean()),
+            "critic/rewards/max": float(rewards.max()),
+            "critic/rewards/min": float(rewards.min()),
+            "critic/advantages/mean": float(advantages.double()[mask].mean()),
+            "response_length/mean": float(mask.sum(dim=1).double().mean()),
+            "perf/total_num_tokens": float(batch["attention_mask"].sum()),
+        }
+
+    # -- state ----------------------------------------------------------------------------
+
+    def _layout(self) -> Layout:
+        return Layout(
+            world_size=self.parallel.world_size,
+            tensor_model_parallel_size=self.parallel.tp_size,
+            pipeline_model_parallel_size=self.parallel.pp_size,
+            data_parallel_size=self.parallel.dp_size,
+        )
+
+    def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
+        model_sd = self._gpt.sharded_state_dict()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+        }
+
+    def save_state(self, ckpt_dir: Path, *, background: bool = False) -> SaveHandle:
+        """Save weights, optimizer, LR scheduler, RNG states and step to `ckpt_dir`.
+
+        With `background`, tensors are written by a separate process and training may go on;
+        the returned handle's `done()`/`wait()` are collective (call them on every rank).
+        """
+        return save_engine_state(
+            Path(ckpt_dir),
+            self._sharded_state_dict(is_loading=False),
+            step=self.step,
+            layout=self._layout(),
+            queue=self._async_saves if background else None,
+        )
+
+    def load_state(self, ckpt_dir: Path) -> None:
+        """Restore the exact state saved in `ckpt_dir`: weights, optimizer, scheduler, RNG."""
+        self._async_saves.finalize(blocking=True)
+        loaded, meta = load_engine_state(
+            Path(ckpt_dir), self._sharded_state_dict(is_loading=True), self._layout()
+        )
+        self._gpt.load_state_dict(loaded["model"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.step = int(meta["step"])
+
+    # -- weights out ----------------------------------------------------------------------
+
+    def export_hf(self, out_dir: Path) -> None:
+        """Write the current weights as a Hugging Face directory (collective)."""
+        hf_weights.export_model_to_hf(self._gpt, self.hf_config, Path(out_dir), self.hf_dir)
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The current weights under HF names, full tensors on global rank 0 (collective).
+
+        Every other rank gets an empty dict.
+        """
+        return hf_weights.hf_state_dict_from_model(self._gpt, self.hf_config)
+
+    def close(self) -> None:
+        """Finish pending background saves and tear down the process groups."""
+        self._async_saves.close()
+        destroy_distributed()
+
+
+__all__ = ["BatchError", "StepOrderError", "TrainEngine"]

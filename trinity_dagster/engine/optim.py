@@ -1,0 +1,70 @@
+"""The actor's Megatron optimizer and learning-rate scheduler, built from the typed config."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import MegatronModule
+
+from trinity_dagster.config import MegatronConfig, OptimConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def optimizer_config(optim: OptimConfig, megatron: MegatronConfig) -> OptimizerConfig:
+    """Megatron's `OptimizerConfig` for the actor: Adam/AdamW, clipping, precision."""
+    bf16 = megatron.params_dtype == "bfloat16"
+    return OptimizerConfig(
+        optimizer="adam",
+        decoupled_weight_decay=optim.optimizer == "adamw",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.grad_clip,
+        bf16=bf16,
+        params_dtype=_DTYPES[megatron.params_dtype],
+        use_distributed_optimizer=megatron.use_distributed_optimizer,
+    )
+
+
+def build_optimizer(
+    model_chunks: list[MegatronModule], optim: OptimConfig, megatron: MegatronConfig
+) -> MegatronOptimizer:
+    """The Megatron optimizer over the DDP-wrapped `model_chunks`."""
+    return get_megatron_optimizer(optimizer_config(optim, megatron), model_chunks)
+
+
+def build_scheduler(
+    optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int
+) -> OptimizerParamScheduler:
+    """The LR schedule, stepped once per train step: constant or cosine, with linear warmup.
+
+    Step N trains with the learning rate of schedule position N-1: with warmup W > 0 the rate
+    rises linearly from 0 at step 1 to `lr` at step W+1 (the convention of Megatron and HF);
+    cosine then decays to `min_lr` at `total_steps`.
+    """
+    if optim.lr_warmup_steps >= max(total_steps, 1) and optim.lr_scheduler == "cosine":
+        raise ValueError(
+            f"trainer.optim.lr_warmup_steps ({optim.lr_warmup_steps}) must be smaller than "
+            f"trainer.total_steps ({total_steps}) for the cosine schedule"
+        )
+    decay_steps = max(total_steps, optim.lr_warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.lr_warmup_steps > 0 else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.lr_scheduler == "cosine" else optim.lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=optim.lr_scheduler,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
+    )
