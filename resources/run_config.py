@@ -1,7 +1,5 @@
 """The run configuration as a Dagster resource."""
 
-from __future__ import annotations
-
 import os
 from functools import cached_property
 
@@ -16,6 +14,11 @@ CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"
 def config_path_from_env() -> str | None:
     """The YAML file named by `TRINITY_DAGSTER_CONFIG`, or None for the embedded defaults."""
     return os.environ.get(CONFIG_ENV_VAR) or None
+
+
+def load_run_config() -> TrinityConfig:
+    """The configuration named by the environment, for definitions that depend on it."""
+    return load_config(config_path_from_env())
 
 
 class RunConfigResource(dg.ConfigurableResource):

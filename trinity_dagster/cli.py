@@ -16,8 +16,11 @@ from trinity_dagster.config import ConfigError
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("trinity_dagster.commands.demo_cmd", "run the end-to-end training demo"),
+    "run": ("trinity_dagster.commands.run_cmd", "run a whole training for a config"),
     "config": ("trinity_dagster.commands.config_cmd", "show the resolved configuration"),
     "bench": ("trinity_dagster.commands.bench_cmd", "run a benchmark from benchmarks/"),
+    "engine": ("trinity_dagster.commands.engine_cmd", "start, inspect or stop the engine service"),
 }
 
 

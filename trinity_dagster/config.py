@@ -80,6 +80,15 @@ class AlgorithmConfig(_Section):
     repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
     advantage_fn: Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"] = "grpo"
     advantage_epsilon: float = Field(default=1e-6, gt=0)
+    gamma: float = Field(
+        default=1.0, ge=0, le=1, description="Discount of reinforce_plus_plus returns-to-go."
+    )
+    opmd_baseline: Literal["mean", "logavgexp"] = Field(
+        default="mean", description="Group baseline of the opmd advantage."
+    )
+    opmd_tau: float = Field(
+        default=1.0, gt=0, description="Temperature of the opmd 'logavgexp' baseline."
+    )
     policy_loss_fn: Literal["ppo", "gspo", "sft"] = "ppo"
     clip_range_low: float = Field(default=0.2, ge=0, lt=1)
     clip_range_high: float = Field(default=0.28, ge=0)
@@ -214,9 +223,15 @@ class DagsterConfig(_Section):
     """How the Dagster graph behaves: sensors, schedules, concurrency."""
 
     sensors_running: bool = Field(default=True, description="Sensors start running by default.")
+    builtin_explorer: bool = Field(
+        default=True, description="The rollouts sensor drives the built-in explorer."
+    )
     sensor_interval_s: int = Field(default=5, ge=1)
     schedules_running: bool = False
     maintenance_cron: str = "0 * * * *"
+    vacuum_retention_hours: float = Field(
+        default=168.0, ge=0, description="Delta vacuum keeps files younger than this."
+    )
     eval_cron: str = "*/30 * * * *"
 
 

@@ -1,0 +1,199 @@
+"""The engine service: a real torchrun-launched service with a tiny Megatron model on CPU."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors.torch import load_file
+
+from tests.run_helpers import fill_buffer, pin_steps, tiny_config
+from trinity_dagster.checkpoint.layout import latest_checkpoint_step, weights_dir
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.client import EngineClient, EngineError
+from trinity_dagster.service.launcher import connect, live_service, stop_service
+from trinity_dagster.service.server import check_bind_host
+from trinity_dagster.service.state import (
+    ServiceState,
+    read_state,
+    read_token,
+    token_path,
+    write_state,
+)
+
+
+def final_weights(config) -> dict:
+    paths = RunPaths.of(config.run_root)
+    return load_file(weights_dir(paths, config.trainer.total_steps) / "model.safetensors")
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    config, _ = tiny_config(tmp_path)
+    fill_buffer(config, steps=config.trainer.total_steps)
+    pin_steps(config, range(1, config.trainer.total_steps + 1))
+    client = connect(config)
+    yield config, client
+    client.close()
+    stop_service(RunPaths.of(config.run_root))
+
+
+def test_service_trains_in_order_and_answers_status(service) -> None:
+    config, client = service
+    paths = RunPaths.of(config.run_root)
+    status = client.status()
+    assert status["step"] == 0 and status["health"] == "ok" and status["world_size"] == 1
+    assert stat.S_IMODE(token_path(paths).stat().st_mode) == 0o600
+
+    first = client.train_step(1)
+    assert first["step"] == 1 and not first["already_trained"]
+    assert set(first["metrics"]) >= {"actor/pg_loss", "actor/grad_norm", "perf/throughput"}
+    again = client.train_step(1)
+    assert again["already_trained"] and again["metrics"] == first["metrics"]
+
+    with pytest.raises(EngineError) as ahead:
+        client.train_step(3)
+    assert ahead.value.status == 409
+    assert "step 3" in str(ahead.value) and "2..2" in str(ahead.value)
+    assert client.status()["step"] == 1
+
+    # sync_interval 1: step 1's weights were published as version 1
+    synced = client.sync_weight(1)
+    assert synced["version"] == 1 and Path(synced["path"], "model.safetensors").is_file()
+    client.train_step(2)  # save_interval 2: a full checkpoint of step 2 (in the background)
+    saved = client.save_checkpoint(2, block=True)
+    assert not saved["pending"] and saved["files"] > 0 and len(saved["manifest_sha256"]) == 64
+    assert latest_checkpoint_step(paths) == 2
+
+    with pytest.raises(EngineError) as late:
+        client.save_checkpoint(1)
+    assert late.value.status == 409 and "engine is at step 2" in str(late.value)
+
+
+def test_token_is_required_and_wrong_tokens_change_nothing(service) -> None:
+    _, client = service
+    url = client.url
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "token"}):
+        for method, path in (("GET", "/status"), ("POST", "/train_step")):
+            response = httpx.request(method, url + path, headers=headers, json={"step": 1})
+            assert response.status_code == 401, (method, path, headers)
+    assert client.status()["step"] == 0
+    with pytest.raises(EngineError) as bad_json:
+        client._call("POST", "/train_step", {"step": 1, "pickle": "x"})
+    assert bad_json.value.status == 422
+
+
+def test_non_loopback_bind_needs_the_flag() -> None:
+    check_bind_host("127.0.0.1", allow_non_loopback=False)
+    check_bind_host("::1", allow_non_loopback=False)
+    for host in ("0.0.0.0", "192.0.2.1", "example.org"):
+        with pytest.raises(PermissionError, match="allow_non_loopback"):
+            check_bind_host(host, allow_non_loopback=False)
+    check_bind_host("0.0.0.0", allow_non_loopback=True)
+
+
+def test_stale_state_file_is_detected_and_replaced(tmp_path: Path) -> None:
+    config, _ = tiny_config(tmp_path)
+    paths = RunPaths.of(config.run_root)
+    paths.service.mkdir(parents=True)
+    dead = ServiceState(
+        pid=2**22 + 12345,
+        pgid=2**22 + 12345,
+        launcher_pid=2**22 + 12346,
+        host="127.0.0.1",
+        port=1,
+        world_size=1,
+        config_hash="x",
+        log_file="",
+    )
+    write_state(paths, dead)
+    assert live_service(paths) is None
+    assert read_state(paths) is None
+
+
+def _train_all_with_kills(config, kills: int, seed: int) -> list[list[int]]:
+    """Drive every step through the client, kill -9 the service at random moments."""
+    rng = random.Random(seed)
+    paths = RunPaths.of(config.run_root)
+    replays = []
+    step = 1
+    kills_left = kills
+    while step <= config.trainer.total_steps:
+        with connect(config) as client:
+            state = read_state(paths)
+            if kills_left and rng.random() < 0.6:
+                killer = threading.Timer(rng.uniform(0.0, 1.5), os.killpg, (state.pgid, 9))
+                killer.start()
+                kills_left -= 1
+                try:
+                    result = client.train_step(step)
+                except (EngineError, OSError, httpx.HTTPError):
+                    continue
+                finally:
+                    killer.join()
+            else:
+                result = client.train_step(step)
+            replays.append(result["replayed"])
+            step += 1
+    return replays
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_reaches_the_uninterrupted_weights(tmp_path: Path) -> None:
+    reference, _ = tiny_config(tmp_path / "reference")
+    fill_buffer(reference, steps=reference.trainer.total_steps)
+    pin_steps(reference, range(1, reference.trainer.total_steps + 1))
+    with connect(reference) as client:
+        for step in range(1, reference.trainer.total_steps + 1):
+            client.train_step(step)
+    stop_service(RunPaths.of(reference.run_root))
+    expected = final_weights(reference)
+
+    crashed, _ = tiny_config(tmp_path / "crashed")
+    fill_buffer(crashed, steps=crashed.trainer.total_steps)
+    pin_steps(crashed, range(1, crashed.trainer.total_steps + 1))
+    try:
+        replays = _train_all_with_kills(crashed, kills=5, seed=7)
+    finally:
+        stop_service(RunPaths.of(crashed.run_root))
+    got = final_weights(crashed)
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].equal(tensor), name
+    assert len(replays) == crashed.trainer.total_steps
+
+
+@pytest.mark.slow
+def test_two_rank_service_trains(tmp_path: Path) -> None:
+    config, _ = tiny_config(tmp_path, {"megatron": {"data_parallel_size": 2}})
+    fill_buffer(config, steps=2)
+    pin_steps(config, range(1, 3))
+    paths = RunPaths.of(config.run_root)
+    try:
+        with connect(config) as client:
+            assert client.status()["world_size"] == 2
+            result = client.train_step(1)
+            assert result["metrics"]["actor/grad_norm"] > 0
+            assert client.train_step(2)["step"] == 2
+    finally:
+        stop_service(paths)
+    assert read_state(paths) is None
+
+
+def test_client_reports_unreachable_service(tmp_path: Path) -> None:
+    config, _ = tiny_config(tmp_path)
+    paths = RunPaths.of(config.run_root)
+    paths.service.mkdir(parents=True)
+    with pytest.raises(ConnectionError, match="no engine service"):
+        connect(config, autostart=False)
+    token_path(paths).write_text("t")
+    token_path(paths).chmod(0o644)
+    with pytest.raises(PermissionError, match="0600"):
+        read_token(paths)
+    with EngineClient("http://127.0.0.1:9", "t") as client, pytest.raises(ConnectionError):
+        client.status()

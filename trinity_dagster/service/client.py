@@ -1,0 +1,89 @@
+"""A thin HTTP client of the engine service's control API (httpx; no torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from trinity_dagster.service.protocol import TOKEN_HEADER
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed a command; holds the engine's message and traceback."""
+
+    def __init__(self, status: int, message: str, kind: str = "", traceback_text: str = "") -> None:
+        text = f"engine service answered {status} ({kind or 'error'}): {message}"
+        if traceback_text:
+            text += f"\n--- engine traceback ---\n{traceback_text.rstrip()}"
+        super().__init__(text)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.traceback_text = traceback_text
+
+
+class EngineUnreachable(ConnectionError):
+    """No service answers at the address."""
+
+
+class EngineClient:
+    """Sends control commands to one running engine service."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 1800.0) -> None:
+        self.url = url
+        self._client = httpx.Client(
+            base_url=url,
+            headers={TOKEN_HEADER: f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            trust_env=False,
+        )
+
+    def close(self) -> None:
+        """Release the connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            response = self._client.request(method, path, json=body)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as err:
+            raise EngineUnreachable(f"engine service at {self.url} is unreachable: {err}") from err
+        if response.status_code == 200:
+            return response.json()
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = {"error": response.text}
+        message = payload.get("error") or payload.get("detail") or response.reason_phrase
+        raise EngineError(
+            response.status_code,
+            str(message),
+            payload.get("type", ""),
+            payload.get("traceback", ""),
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Step, weights version, ranks and health of the service."""
+        return self._call("GET", "/status")
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Train step N (or return its recorded result if already trained)."""
+        return self._call("POST", "/train_step", {"step": step})
+
+    def save_checkpoint(self, step: int, *, block: bool = True, hf: bool = False) -> dict[str, Any]:
+        """Make sure a complete checkpoint of step N exists."""
+        return self._call("POST", "/save_checkpoint", {"step": step, "block": block, "hf": hf})
+
+    def sync_weight(self, step: int) -> dict[str, Any]:
+        """Make sure the weights of step N are published to explorers."""
+        return self._call("POST", "/sync_weight", {"step": step})
+
+    def shutdown(self) -> dict[str, Any]:
+        """Ask the service to finish pending saves and exit."""
+        return self._call("POST", "/shutdown")

@@ -1,0 +1,309 @@
+"""One rank's engine host: the train engine plus checkpoints, weight sync and step records.
+
+Every rank runs the same commands in the same order (the command loop broadcasts them), so
+the collectives inside the engine line up. Rank 0 alone writes records and markers.
+
+Order rules for `train_step(N)` with the engine at step S:
+- N <= S: the step was trained; its recorded result is returned, nothing trains;
+- N == S + 1: train it;
+- N > S + 1: allowed only if steps S+1..N-1 were trained before (their records exist, as
+  after a crash and a restart from an older checkpoint): they are replayed from their pinned
+  batches first and reported in `replayed`; otherwise refused, naming the steps.
+After step N trains, the save/sync plan of DESIGN §5 runs: a full checkpoint (in the
+background unless it is the final one) and/or published weights.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
+from trinity_dagster.buffer.sampler import sampler_state
+from trinity_dagster.checkpoint.layout import (
+    checkpoint_dir,
+    latest_weights_version,
+    weights_dir,
+    write_atomic,
+)
+from trinity_dagster.checkpoint.manager import CheckpointManager
+from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
+from trinity_dagster.checkpoint.publish import prune_published, publish_weights
+from trinity_dagster.checkpoint.rules import plan_step
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.engine.batch_check import BatchError
+from trinity_dagster.engine.engine import TrainEngine
+from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.protocol import BadRequestError, StepOrderError
+from trinity_dagster.step_checks import sync_blockers
+
+log = logging.getLogger(__name__)
+
+RECORDS_DIR = "steps"
+
+
+def record_path(paths: RunPaths, step: int) -> Path:
+    """The JSON record of a trained step (metrics, what was saved and synced)."""
+    return paths.logs / RECORDS_DIR / f"step_{step:06d}.json"
+
+
+def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
+    """The recorded result of a trained step, or None."""
+    try:
+        return json.loads(record_path(paths, step).read_text())
+    except FileNotFoundError:
+        return None
+
+
+class EngineHost:
+    """Holds the engine of this rank and executes control commands on it."""
+
+    def __init__(self, config: TrinityConfig, paths: RunPaths) -> None:
+        self.config = config
+        self.paths = paths
+        self.started_at = time.time()
+        initial = self._initial_weights()
+        self.engine = TrainEngine(config, initial)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.checkpoints = CheckpointManager(config, paths, self.engine)
+        self.resumed_from = self.checkpoints.resume()
+        self.save_error: str | None = None
+        version = latest_weights_version(paths)
+        self.last_sync_step = 0 if version is None else version
+        self._status: dict[str, Any] = {}
+        self._refresh_status()
+
+    def _initial_weights(self) -> Path:
+        """Version 0 of the weights (created once; ranks take turns under a file lock)."""
+        self.paths.service.mkdir(parents=True, exist_ok=True)
+        with open(self.paths.service / "init.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return create_initial_model(self.config, self.paths)
+
+    # --- command loop interface -------------------------------------------------------
+    def broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]:
+        """Rank 0's command, delivered to every rank."""
+        if self.world_size == 1:
+            assert command is not None
+            return command
+        box = [command]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def has_pending_saves(self) -> bool:
+        """Whether background saves wait to be finalized."""
+        return bool(self.checkpoints.pending_steps())
+
+    def poll(self) -> None:
+        """Finish background saves that are done (manifest, marker, retention).
+
+        A failed save is logged and reported in `status` and by the next save or sync of
+        that step; training goes on from the engine's state, which the failure did not touch.
+        """
+        try:
+            self.checkpoints.poll()
+        except Exception as err:
+            log.exception("background checkpoint save failed")
+            self.save_error = f"{type(err).__name__}: {err}"
+        self._refresh_status()
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot of the engine's state, safe to read from any thread."""
+        return dict(self._status)
+
+    def close(self) -> None:
+        """Wait for pending saves, then release the engine."""
+        try:
+            self.checkpoints.wait_all()
+        finally:
+            self.engine.close()
+
+    def execute(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run one command; rank 0's return value is the reply."""
+        handlers = {
+            "train_step": self.train_step,
+            "save_checkpoint": self.save_checkpoint,
+            "sync_weight": self.sync_weight,
+        }
+        if op not in handlers:
+            raise BadRequestError(f"unknown command {op!r}; known: {', '.join(handlers)}")
+        result = handlers[op](**args)
+        self._refresh_status()
+        return result
+
+    # --- commands ---------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Train step N (see the module docstring for the order rules)."""
+        current = self.engine.step
+        if step <= current:
+            record = read_record(self.paths, step)
+            if record is None:
+                raise StepOrderError(
+                    f"step {step} is behind the engine (at step {current}) and has no record "
+                    f"at {record_path(self.paths, step)}"
+                )
+            return {**record, "already_trained": True, "replayed": []}
+        missing = [s for s in range(current + 1, step) if read_record(self.paths, s) is None]
+        if missing:
+            raise StepOrderError(
+                f"cannot train step {step}: the engine is at step {current} and steps "
+                f"{missing[0]}..{missing[-1]} have not been trained; train them first"
+            )
+        replayed = list(range(current + 1, step))
+        for earlier in replayed:
+            log.info("replaying step %d from its pinned batch", earlier)
+            self._train(earlier)
+        return {**self._train(step), "already_trained": False, "replayed": replayed}
+
+    def save_checkpoint(self, step: int, block: bool = True, hf: bool = False) -> dict[str, Any]:
+        """Make sure a complete checkpoint of step N exists (written now if the engine is at N)."""
+        ckpt = checkpoint_dir(self.paths, step)
+        if self.checkpoints.is_pending(step):
+            if block:
+                self.checkpoints.wait(step)
+            return self._checkpoint_info(step, pending=not block)
+        try:
+            verify_checkpoint(ckpt, checksums=False)
+            return self._checkpoint_info(step, pending=False)
+        except CorruptCheckpointError:
+            pass
+        if self.engine.step != step:
+            raise StepOrderError(
+                f"no complete checkpoint of step {step} exists and the engine is at step "
+                f"{self.engine.step}; a checkpoint of step {step} can only be written right "
+                "after training it (set trainer.save_interval)"
+                + (f"; last save error: {self.save_error}" if self.save_error else "")
+            )
+        self._save(step, hf=hf, block=block, serves_as_sync=False)
+        return self._checkpoint_info(step, pending=not block)
+
+    def sync_weight(self, step: int) -> dict[str, Any]:
+        """Make sure weights version N are published (written now if the engine is at N)."""
+        if self.checkpoints.is_pending(step):  # a save that serves as this sync is finishing
+            return {"version": step, "pending": True}
+        try:
+            return self._weights_info(step)
+        except FileNotFoundError:
+            pass
+        record = read_record(self.paths, step)
+        if record is not None and record["sync_withheld"]:
+            raise BadRequestError(
+                f"weights of step {step} are withheld from explorers: "
+                + "; ".join(record["sync_withheld"])
+            )
+        if self.engine.step != step:
+            raise StepOrderError(
+                f"weights of step {step} were never published and the engine is at step "
+                f"{self.engine.step}; they can only be published right after training step {step}"
+            )
+        self._publish(step)
+        return self._weights_info(step)
+
+    # --- internals --------------------------------------------------------------------
+    def _train(self, step: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            table = load_step_batch(self.config, step)
+        except StepNotPinnedError as err:
+            raise BadRequestError(
+                f"{err}; materialize experience_batch for step {step} first"
+            ) from err
+        read_s = time.perf_counter() - started
+        try:
+            metrics = self.engine.train_step(step, to_tensors(table))
+        except BatchError as err:
+            raise BadRequestError(f"batch of step {step} refused: {err}") from err
+        metrics["time/read_experience"] = read_s
+        plan = plan_step(step, self.config, self.last_sync_step)
+        withheld = sync_blockers(metrics, self.config.algorithm.kl_bound)
+        if plan.sync and withheld:
+            log.warning("weights of step %d not synced: %s", step, "; ".join(withheld))
+        sync_now = plan.sync and not withheld
+        if plan.save:
+            started = time.perf_counter()
+            serves = sync_now and plan.save_serves_as_sync
+            self._save(step, hf=plan.save_hf, block=plan.blocking, serves_as_sync=serves)
+            metrics["time/save_checkpoint"] = time.perf_counter() - started
+            if serves:
+                self.last_sync_step = step  # published when the save completes
+        if sync_now and not plan.save_serves_as_sync:
+            started = time.perf_counter()
+            self._publish(step)
+            metrics["time/sync_weight"] = time.perf_counter() - started
+        record = {
+            "step": step,
+            "metrics": metrics,
+            "batch_size": table.num_rows,
+            "parent_step": step - 1,
+            "saved": plan.save,
+            "saved_hf": plan.save_hf,
+            "synced": sync_now,
+            "sync_withheld": withheld,
+            "weights_version": self.last_sync_step,
+            "trained_at": time.time(),
+        }
+        if self.rank == 0:
+            write_atomic(record_path(self.paths, step), json.dumps(record, indent=1))
+        return record
+
+    def _save(self, step: int, *, hf: bool, block: bool, serves_as_sync: bool) -> None:
+        state = sampler_state(self.config, step).to_dict()
+        self.checkpoints.save(
+            step, sampler_state=state, hf=hf, block=block, serves_as_sync=serves_as_sync
+        )
+
+    def _publish(self, step: int) -> None:
+        tensors = self.engine.hf_state_dict()
+        if self.rank == 0:
+            publish_weights(self.paths, step, tensors, self.engine.hf_config, self.paths.tokenizer)
+            prune_published(self.paths, keep=self.config.synchronizer.keep_synced_weights)
+        self.last_sync_step = step
+        if self.world_size > 1:
+            dist.barrier()
+
+    def _checkpoint_info(self, step: int, *, pending: bool) -> dict[str, Any]:
+        ckpt = checkpoint_dir(self.paths, step)
+        info: dict[str, Any] = {"step": step, "path": str(ckpt), "pending": pending}
+        if not pending:
+            manifest = verify_checkpoint(ckpt, checksums=False)
+            info.update(
+                size_bytes=sum(entry.size for entry in manifest.files),
+                manifest_sha256=manifest.digest(),
+                files=len(manifest.files),
+                has_hf=(ckpt / "huggingface" / "config.json").is_file(),
+            )
+        return info
+
+    def _weights_info(self, step: int) -> dict[str, Any]:
+        path = weights_dir(self.paths, step)
+        return {
+            "version": step,
+            "pending": False,
+            "path": str(path),
+            "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
+        }
+
+    def _refresh_status(self) -> None:
+        self._status = {
+            "health": "ok",
+            "step": self.engine.step,
+            "weights_version": self.last_sync_step,
+            "world_size": self.world_size,
+            "ranks": self.world_size,
+            "resumed_from": self.resumed_from,
+            "pending_saves": self.checkpoints.pending_steps(),
+            "save_error": self.save_error,
+            "run_root": str(self.paths.root),
+            "config_hash": self.config.resolved_hash(),
+            "started_at": self.started_at,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+        }

@@ -1,0 +1,81 @@
+"""Entry point of one engine service rank, launched by torchrun (see `launcher.py`).
+
+Every rank builds its engine host; rank 0 also serves the control API and publishes the
+service state file once it answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from trinity_dagster.config import load_config
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.host import EngineHost
+from trinity_dagster.service.server import (
+    CommandBus,
+    ControlServer,
+    bind_socket,
+    build_app,
+    check_bind_host,
+    rank0_loop,
+    worker_loop,
+)
+from trinity_dagster.service.state import ServiceState, clear_state, read_token, write_state
+
+log = logging.getLogger("trinity_dagster.service")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run this rank of the service until shutdown or idle timeout."""
+    parser = argparse.ArgumentParser(description="trinity-dagster engine service rank")
+    parser.add_argument("-c", "--config", required=True)
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    paths = RunPaths.of(config.run_root)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=config.monitor.log_level,
+        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
+    )
+    if rank == 0:
+        check_bind_host(config.service.host, config.service.allow_non_loopback)
+    host = EngineHost(config, paths)
+    try:
+        if rank != 0:
+            worker_loop(host)
+            return 0
+        bus = CommandBus()
+        sock = bind_socket(config.service.host, config.service.port)
+        app = build_app(bus, read_token(paths), host.status, config.service.request_timeout_s)
+        server = ControlServer(app, sock)
+        server.start()
+        signal.signal(signal.SIGTERM, lambda *_: bus.request_shutdown())
+        state = ServiceState(
+            pid=os.getpid(),
+            pgid=os.getpgid(0),
+            launcher_pid=os.getppid(),
+            host=config.service.host,
+            port=server.port,
+            world_size=host.world_size,
+            config_hash=config.resolved_hash(),
+            log_file=str(paths.logs / "engine.log"),
+        )
+        write_state(paths, state)
+        log.info("engine service ready at %s (step %d)", state.url, host.engine.step)
+        try:
+            reason = rank0_loop(host, bus, config.service.idle_timeout_s)
+            log.info("engine service stopping: %s", reason)
+        finally:
+            clear_state(paths, os.getpid())
+            server.stop()
+        return 0
+    finally:
+        host.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The control API's requests and errors, shared by the server and the client (JSON only)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TOKEN_HEADER = "Authorization"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TrainStepRequest(_Request):
+    """Train step N on the rows pinned to N."""
+
+    step: int = Field(ge=1)
+
+
+class SaveCheckpointRequest(_Request):
+    """Make sure a complete checkpoint of step N exists (the engine must be at N to write one)."""
+
+    step: int = Field(ge=1)
+    block: bool = Field(default=True, description="Wait until the checkpoint is complete.")
+    hf: bool = Field(default=False, description="Also export a Hugging Face directory.")
+
+
+class SyncWeightRequest(_Request):
+    """Make sure the weights of step N are published to explorers."""
+
+    step: int = Field(ge=0)
+
+
+class CommandError(Exception):
+    """A command the engine refused or failed; `status` is the HTTP status to answer with."""
+
+    status = 500
+
+    def __init__(self, message: str, traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.traceback_text = traceback_text
+
+
+class StepOrderError(CommandError):
+    """A step asked for out of order (the message names the steps)."""
+
+    status = 409
+
+
+class BadRequestError(CommandError):
+    """Invalid input: a bad batch, a missing file, an unknown step."""
+
+    status = 422
+
+
+class BusyError(CommandError):
+    """The engine is busy and the caller asked not to queue."""
+
+    status = 503
+
+
+def error_payload(err: BaseException, traceback_text: str) -> dict:
+    """The JSON body of a failed command."""
+    return {"error": str(err), "type": type(err).__name__, "traceback": traceback_text}

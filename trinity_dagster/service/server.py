@@ -1,0 +1,254 @@
+"""The control API (FastAPI on uvicorn) of rank 0 and the command loop of every rank.
+
+HTTP handlers never touch the engine: they validate the JSON request, put a command on a
+queue and wait for its result. The main thread of rank 0 takes commands one at a time,
+broadcasts each to the other ranks, and runs it on its own engine host, so commands run in
+order, one at a time, on all ranks together. `status` is answered from a snapshot, even
+while a step trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from trinity_dagster.service.protocol import (
+    CommandError,
+    SaveCheckpointRequest,
+    SyncWeightRequest,
+    TrainStepRequest,
+    error_payload,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 60.0
+SHUTDOWN = "shutdown"
+NOOP = "noop"
+POLL = "poll"
+
+
+class Host(Protocol):
+    """What the command loop needs of the per-rank engine host."""
+
+    def execute(self, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def poll(self) -> None: ...
+
+    def has_pending_saves(self) -> bool: ...
+
+    def broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Command:
+    op: str
+    args: dict[str, Any]
+    future: Future = field(default_factory=Future)
+
+
+class CommandBus:
+    """Commands from HTTP handler threads to rank 0's main thread, one at a time."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[_Command] = queue.Queue()
+        self.busy_with: str | None = None
+
+    def submit(self, op: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Queue a command and wait for its result (raises what the command raised)."""
+        command = _Command(op, args)
+        self._queue.put(command)
+        return command.future.result(timeout=timeout)
+
+    def request_shutdown(self) -> None:
+        """Ask the main loop to shut down (e.g. on SIGTERM) without waiting for it."""
+        self._queue.put(_Command(SHUTDOWN, {}))
+
+    def take(self, timeout: float) -> _Command | None:
+        """The next command, or None after `timeout` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+def check_bind_host(host: str, allow_non_loopback: bool) -> None:
+    """Refuse a non-loopback bind address unless explicitly allowed."""
+    if allow_non_loopback:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise PermissionError(
+            f"refusing to bind the control API to non-loopback address {host!r}; "
+            "set service.allow_non_loopback: true to allow it"
+        )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(64)
+    sock.set_inheritable(False)
+    return sock
+
+
+def build_app(
+    bus: CommandBus, token: str, status: Callable[[], dict[str, Any]], timeout: float
+) -> FastAPI:
+    """The FastAPI application of the control API."""
+    app = FastAPI(title="trinity-dagster engine service", docs_url=None, redoc_url=None)
+
+    def authorize(authorization: str | None = Header(default=None)) -> None:
+        expected = f"Bearer {token}"
+        if authorization is None or not secrets.compare_digest(
+            authorization.encode(), expected.encode()
+        ):
+            raise HTTPException(status_code=401, detail="missing or wrong service token")
+
+    @app.exception_handler(CommandError)
+    def command_error(_: Request, err: CommandError) -> JSONResponse:
+        return JSONResponse(status_code=err.status, content=error_payload(err, err.traceback_text))
+
+    def run(op: str, args: dict[str, Any]) -> dict[str, Any]:
+        return bus.submit(op, args, timeout)
+
+    auth = [Depends(authorize)]
+
+    @app.get("/status", dependencies=auth)
+    def get_status() -> dict[str, Any]:
+        return {**status(), "busy_with": bus.busy_with}
+
+    @app.post("/train_step", dependencies=auth)
+    def train_step(req: TrainStepRequest) -> dict[str, Any]:
+        return run("train_step", req.model_dump())
+
+    @app.post("/save_checkpoint", dependencies=auth)
+    def save_checkpoint(req: SaveCheckpointRequest) -> dict[str, Any]:
+        return run("save_checkpoint", req.model_dump())
+
+    @app.post("/sync_weight", dependencies=auth)
+    def sync_weight(req: SyncWeightRequest) -> dict[str, Any]:
+        return run("sync_weight", req.model_dump())
+
+    @app.post("/shutdown", dependencies=auth)
+    def shutdown() -> dict[str, Any]:
+        return run(SHUTDOWN, {})
+
+    return app
+
+
+class ControlServer:
+    """uvicorn serving the control API in a background thread of rank 0."""
+
+    def __init__(self, app: FastAPI, sock: socket.socket) -> None:
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+
+    def start(self) -> None:
+        """Serve in the background; returns once the server accepts requests."""
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("control API did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stop serving (after the reply in flight has been sent)."""
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def run_command(host: Host, command: dict[str, Any]) -> dict[str, Any]:
+    """Run one command on this rank's host; errors become `CommandError` with the traceback."""
+    try:
+        return host.execute(command["op"], command["args"])
+    except CommandError as err:
+        if not err.traceback_text:
+            err.traceback_text = traceback.format_exc()
+        raise
+    except Exception as err:
+        wrapped = CommandError(f"{type(err).__name__}: {err}", traceback.format_exc())
+        raise wrapped from err
+
+
+def rank0_loop(host: Host, bus: CommandBus, idle_timeout_s: float) -> str:
+    """Rank 0's main loop; returns why it ended (`shutdown` or `idle`)."""
+    last_command = time.monotonic()
+    last_broadcast = last_command
+    while True:
+        if host.has_pending_saves():  # finalizing is collective: every rank polls together
+            host.broadcast({"op": POLL, "args": {}})
+            host.poll()
+        command = bus.take(timeout=0.5)
+        now = time.monotonic()
+        if command is None:
+            if now - last_command > idle_timeout_s:
+                host.broadcast({"op": SHUTDOWN, "args": {}})
+                return "idle"
+            if now - last_broadcast > HEARTBEAT_S:
+                host.broadcast({"op": NOOP, "args": {}})
+                last_broadcast = now
+            continue
+        last_command = last_broadcast = now
+        message = {"op": command.op, "args": command.args}
+        host.broadcast(message)
+        if command.op == SHUTDOWN:
+            command.future.set_result({"shutting_down": True})
+            return SHUTDOWN
+        bus.busy_with = command.op
+        try:
+            command.future.set_result(run_command(host, message))
+        except CommandError as err:
+            log.warning("command %s failed: %s", command.op, err)
+            command.future.set_exception(err)
+        finally:
+            bus.busy_with = None
+
+
+def worker_loop(host: Host) -> None:
+    """The main loop of ranks other than 0: run what rank 0 broadcasts, until shutdown."""
+    while True:
+        message = host.broadcast(None)
+        if message["op"] == SHUTDOWN:
+            return
+        if message["op"] == NOOP:
+            continue
+        if message["op"] == POLL:
+            host.poll()
+            continue
+        with contextlib.suppress(CommandError):
+            run_command(host, message)

@@ -1,0 +1,119 @@
+"""The engine service's files under the run root: the access token and the state file.
+
+service/token        random secret, mode 0600; every control call must carry it
+service/state.json   pids, process groups, host, port, world size, config hash of the service
+service/config.yaml  the resolved configuration the service was started with
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.paths import RunPaths
+
+TOKEN_FILE = "token"
+STATE_FILE = "state.json"
+CONFIG_FILE = "config.yaml"
+
+
+class TokenFileError(PermissionError):
+    """The token file is missing or readable by other users."""
+
+
+def token_path(paths: RunPaths) -> Path:
+    """Where the access token of this run's service lives."""
+    return paths.service / TOKEN_FILE
+
+
+def ensure_token(paths: RunPaths) -> str:
+    """The service token, created with mode 0600 on first use."""
+    path = token_path(paths)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token(paths)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_urlsafe(32))
+    return read_token(paths)
+
+
+def read_token(paths: RunPaths) -> str:
+    """The service token; refuses a token file that group or others can read."""
+    path = token_path(paths)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise TokenFileError(
+            f"no service token at {path}: start the engine service first"
+        ) from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise TokenFileError(
+            f"service token {path} is accessible by other users (mode {oct(mode & 0o777)}); "
+            "it must be 0600"
+        )
+    return path.read_text().strip()
+
+
+@dataclass(frozen=True)
+class ServiceState:
+    """What a running service publishes about itself."""
+
+    pid: int  # rank 0
+    pgid: int  # rank 0's process group (torchrun starts each rank in a session of its own)
+    launcher_pid: int  # the torchrun agent, leader of its own process group
+    host: str
+    port: int
+    world_size: int
+    config_hash: str
+    log_file: str
+
+    @property
+    def url(self) -> str:
+        """Base URL of the control API."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def write_state(paths: RunPaths, state: ServiceState) -> None:
+    """Publish the running service's address atomically."""
+    write_atomic(paths.service / STATE_FILE, json.dumps(asdict(state), indent=1))
+
+
+def read_state(paths: RunPaths) -> ServiceState | None:
+    """The last published service state, or None."""
+    try:
+        data = json.loads((paths.service / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError:
+        return None
+    return ServiceState(**data)
+
+
+def clear_state(paths: RunPaths, pid: int | None = None) -> None:
+    """Remove the state file (only if it still names `pid`, when given)."""
+    current = read_state(paths)
+    if current is not None and (pid is None or current.pid == pid):
+        (paths.service / STATE_FILE).unlink(missing_ok=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (and is not a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
