@@ -1,7 +1,5 @@
 """Partitioning: one partition per training step, keyed by the zero-padded step."""
 
-from __future__ import annotations
-
 import dagster as dg
 
 STEP_KEY_WIDTH = 6

@@ -1,0 +1,53 @@
+"""`experiences`: the Delta table explorers append to, observed (row count, table version)."""
+
+from pathlib import Path
+
+import dagster as dg
+import pyarrow as pa
+
+from resources.run_config import RunConfigResource
+from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
+from trinity_dagster.buffer.stats import table_stats
+from trinity_dagster.buffer.tables import open_table
+
+EXPERIENCES = "experiences"
+
+
+@dg.observable_source_asset(
+    name=EXPERIENCES,
+    group_name="experience",
+    description="Delta table of experiences written by explorers (see docs/buffer.md).",
+)
+def experiences(run_config: RunConfigResource) -> dg.ObserveResult:
+    """Row count, table version and unconsumed rows of the experiences table."""
+    stats = table_stats(run_config.config)
+    return dg.ObserveResult(
+        data_version=dg.DataVersion(str(stats["table_version"])),
+        metadata={**stats, "path": dg.MetadataValue.path(str(run_config.paths.experiences))},
+    )
+
+
+def schema_problems(path: Path) -> list[str]:
+    """Differences between the Delta table at `path` and the experience schema."""
+    table = open_table(path)
+    if table is None:
+        return [f"no Delta table at {path}"]
+    actual = {field.name: field for field in pa.schema(table.schema().to_arrow())}
+    problems = []
+    for field in EXPERIENCE_SCHEMA:
+        found = actual.pop(field.name, None)
+        if found is None:
+            problems.append(f"column {field.name!r} is missing")
+        elif not found.type.equals(field.type):
+            problems.append(f"column {field.name!r} is {found.type}, expected {field.type}")
+    problems += [f"unexpected column {name!r}" for name in actual]
+    return problems
+
+
+@dg.asset_check(asset=EXPERIENCES, description="The table's schema is the experience schema.")
+def experience_schema(run_config: RunConfigResource) -> dg.AssetCheckResult:
+    """Compare the Delta table's schema with the experience schema, column by column."""
+    problems = schema_problems(run_config.paths.experiences)
+    return dg.AssetCheckResult(
+        passed=not problems, metadata={"problems": "; ".join(problems) or "none"}
+    )

@@ -1,0 +1,55 @@
+"""Scheduled maintenance: Delta table compaction and vacuum, checkpoint retention."""
+
+import dagster as dg
+
+from resources.run_config import RunConfigResource, load_run_config
+from trinity_dagster.buffer.maintenance import compact, vacuum
+from trinity_dagster.checkpoint import retention
+
+_config = load_run_config()
+_STATUS = (
+    dg.DefaultScheduleStatus.RUNNING
+    if _config.dagster.schedules_running
+    else dg.DefaultScheduleStatus.STOPPED
+)
+
+
+@dg.op(description="Compact and vacuum the experience, batch and quarantine tables.")
+def maintain_delta_tables(context: dg.OpExecutionContext, run_config: RunConfigResource) -> None:
+    """Compaction then vacuum; pinned batches stay replayable (they are stored in `batches`)."""
+    compacted = compact(run_config.config)
+    vacuumed = vacuum(run_config.config, retention_hours=_config.dagster.vacuum_retention_hours)
+    context.log.info(f"compacted: {compacted}; vacuumed: {vacuumed}")
+
+
+@dg.op(description="Delete checkpoints beyond trainer.max_checkpoints_to_keep.")
+def prune_old_checkpoints(context: dg.OpExecutionContext, run_config: RunConfigResource) -> None:
+    """Retention counted from what is on disk; never the newest complete checkpoint."""
+    deleted = retention.prune_checkpoints(
+        run_config.paths, run_config.config.trainer.max_checkpoints_to_keep
+    )
+    context.log.info(f"deleted checkpoints: {deleted or 'none'}")
+
+
+@dg.job(description="Delta maintenance: compaction and vacuum.")
+def delta_maintenance_job() -> None:
+    maintain_delta_tables()
+
+
+@dg.job(description="Checkpoint retention.")
+def checkpoint_retention_job() -> None:
+    prune_old_checkpoints()
+
+
+delta_maintenance_schedule = dg.ScheduleDefinition(
+    name="delta_maintenance",
+    job=delta_maintenance_job,
+    cron_schedule=_config.dagster.maintenance_cron,
+    default_status=_STATUS,
+)
+checkpoint_retention_schedule = dg.ScheduleDefinition(
+    name="checkpoint_retention",
+    job=checkpoint_retention_job,
+    cron_schedule=_config.dagster.maintenance_cron,
+    default_status=_STATUS,
+)
