@@ -24,6 +24,7 @@ from resources.run_config import RunConfigResource
 
 SENSORS = (rollouts_sensor, data_sensor, sync_sensor, save_sensor)
 RUN_KEY_TAG = "dagster/run_key"
+QUIET_CONSOLE = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 SENSOR_TAG = "dagster/sensor_name"
 
 
@@ -101,7 +102,10 @@ class Driver:
             tags[RUN_KEY_TAG] = request.run_key
         started = time.perf_counter()
         result = job.execute_in_process(
-            instance=self.instance, partition_key=request.partition_key, tags=tags
+            run_config=QUIET_CONSOLE,
+            instance=self.instance,
+            partition_key=request.partition_key,
+            tags=tags,
         )
         self.on_run(
             LaunchedRun(
@@ -141,7 +145,7 @@ def materialize_step(
 
 def rollout_rewards(instance: dg.DagsterInstance) -> list[tuple[int, float, bool]]:
     """(explore step, mean reward, demonstrations?) of every rollouts partition, by step."""
-    records = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=100_000).records
+    records = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=10_000).records
     latest: dict[int, tuple[float, bool]] = {}
     for record in sorted(records, key=lambda r: r.storage_id):
         event = record.asset_materialization

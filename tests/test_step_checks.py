@@ -24,3 +24,10 @@ def test_nan_loss_and_large_kl_block_the_sync() -> None:
 def test_missing_metrics_are_not_healthy() -> None:
     assert not loss_is_finite({})[0]
     assert not kl_within_bound({"actor/pg_loss": 0.0}, bound=1.0)[0]
+
+
+def test_sft_steps_are_exempt_from_the_kl_bound() -> None:
+    metrics = {"actor/pg_loss": 2.0, "actor/ppo_kl": 2.0, "actor/sft": 1.0}
+    ok, reason = kl_within_bound(metrics, bound=1.0)
+    assert ok and "SFT" in reason
+    assert not kl_within_bound({**metrics, "actor/sft": 0.0}, bound=1.0)[0]

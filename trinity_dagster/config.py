@@ -36,11 +36,11 @@ class ModelConfig(_Section):
     vocab_size: int | None = Field(
         default=None, ge=2, description="None: taken from the tokenizer of the task set."
     )
-    hidden_size: int = Field(default=64, ge=8)
+    hidden_size: int = Field(default=128, ge=8)
     num_layers: int = Field(default=2, ge=1)
     num_attention_heads: int = Field(default=4, ge=1)
     num_query_groups: int = Field(default=2, ge=1, description="Key/value heads (GQA).")
-    ffn_hidden_size: int = Field(default=176, ge=8)
+    ffn_hidden_size: int = Field(default=352, ge=8)
     max_position_embeddings: int = Field(default=64, ge=8)
     rope_theta: float = Field(default=10000.0, gt=0)
     rms_norm_eps: float = Field(default=1e-6, gt=0)
@@ -135,7 +135,7 @@ class OptimConfig(_Section):
     """Optimizer and learning-rate schedule of the actor."""
 
     optimizer: Literal["adam", "adamw"] = "adamw"
-    lr: float = Field(default=1e-3, gt=0)
+    lr: float = Field(default=3e-3, gt=0)
     min_lr: float = Field(default=0.0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(default=0, ge=0)
@@ -149,15 +149,15 @@ class OptimConfig(_Section):
 class TrainerConfig(_Section):
     """The training loop: steps, checkpoints, micro-batching, seed."""
 
-    total_steps: int = Field(default=20, ge=1)
-    save_interval: int = Field(default=10, ge=0, description="0: only the final save.")
+    total_steps: int = Field(default=80, ge=1)
+    save_interval: int = Field(default=20, ge=0, description="0: only the final save.")
     save_hf_checkpoint: Literal["always", "last", "never"] = "last"
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
     micro_batch_size: int = Field(default=8, ge=1)
     seed: int = 42
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sft_warmup_steps: int = Field(
-        default=0, ge=0, description="Steps of SFT on demonstrations before RL (demo)."
+        default=40, ge=0, description="Steps of SFT on demonstrations before RL (demo)."
     )
 
 
@@ -196,10 +196,8 @@ class MegatronConfig(_Section):
 class ExplorerConfig(_Section):
     """The built-in explorer: task source, reward, sampling and evaluation."""
 
-    taskset: str = Field(
-        default="arithmetic", description="A registered task set, or a JSONL path."
-    )
-    eval_taskset: str = Field(default="arithmetic_eval")
+    taskset: str = Field(default="addition", description="A registered task set, or a JSONL path.")
+    eval_taskset: str = Field(default="addition_eval")
     reward_fn: str = Field(default="exact_match")
     tasks_per_step: int = Field(default=4, ge=1)
     eval_tasks: int = Field(default=64, ge=1)
@@ -343,16 +341,30 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 def config_from_dict(
     data: dict[str, Any], source: str = "<dict>", base_dir: Path | None = None
 ) -> TrinityConfig:
-    """Validate a configuration mapping; relative `run_root` resolves against `base_dir`."""
+    """Validate a configuration mapping.
+
+    Relative paths (`run_root`, `model.path`, JSONL task files) resolve against `base_dir`,
+    the config file's directory (default: the working directory).
+    """
     try:
         cfg = TrinityConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
-    root = Path(cfg.run_root).expanduser()
-    if not root.is_absolute():
-        root = (base_dir or Path.cwd()) / root
-    cfg.run_root = str(root.resolve())
+    base = base_dir or Path.cwd()
+    cfg.run_root = _resolve(cfg.run_root, base)
+    if cfg.model.path is not None:
+        cfg.model.path = _resolve(cfg.model.path, base)
+    for field in ("taskset", "eval_taskset"):
+        value = getattr(cfg.explorer, field)
+        if value.endswith(".jsonl"):
+            setattr(cfg.explorer, field, _resolve(value, base))
     return cfg
+
+
+def _resolve(path: str, base: Path) -> str:
+    """`path` made absolute against `base` (the config file's directory)."""
+    resolved = Path(path).expanduser()
+    return str((resolved if resolved.is_absolute() else base / resolved).resolve())
 
 
 def load_config(

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 LOSS_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 KL_METRIC = "actor/ppo_kl"
+SFT_METRIC = "actor/sft"
 
 
 def loss_is_finite(metrics: Mapping[str, float]) -> tuple[bool, str]:
@@ -23,7 +24,13 @@ def loss_is_finite(metrics: Mapping[str, float]) -> tuple[bool, str]:
 
 
 def kl_within_bound(metrics: Mapping[str, float], bound: float) -> tuple[bool, str]:
-    """Whether |actor/ppo_kl| stays within `bound` (algorithm.kl_bound)."""
+    """Whether |actor/ppo_kl| stays within `bound` (algorithm.kl_bound).
+
+    SFT warm-up steps pass: they imitate demonstrations, whose recorded log-probs are not
+    a rollout policy, so their policy ratio measures nothing the bound is meant to catch.
+    """
+    if metrics.get(SFT_METRIC):
+        return True, "SFT step: no rollout policy ratio to bound"
     value = metrics.get(KL_METRIC)
     if value is None:
         return False, f"{KL_METRIC} missing"

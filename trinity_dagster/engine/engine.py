@@ -9,6 +9,7 @@ on its data-parallel slice, and every rank returns the same metrics.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -51,6 +52,18 @@ from trinity_dagster.engine.train_step import (
 MICRO_BATCH_KEYS = ("tokens", "attention_mask", "response_mask", "old_logprobs", "advantages")
 
 
+MODEL_DESCRIPTION_DIR = "model"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def copy_model_description(hf_dir: Path, out_dir: Path) -> None:
+    """Copy an HF directory's config and tokenizer files (no weights) into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for src in Path(hf_dir).iterdir():
+        if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and "index" not in src.name:
+            shutil.copyfile(src, out_dir / src.name)
+
+
 class StepOrderError(ValueError):
     """`train_step(N)` was called while the engine is not at step N-1."""
 
@@ -58,8 +71,12 @@ class StepOrderError(ValueError):
 class TrainEngine:
     """The trainable actor on this rank; construct it on every rank of the engine service."""
 
-    def __init__(self, config: TrinityConfig, hf_dir: Path) -> None:
-        """Initialize distributed state and build the model from the HF directory `hf_dir`."""
+    def __init__(self, config: TrinityConfig, hf_dir: Path, *, load_weights: bool = True) -> None:
+        """Initialize distributed state and build the model from the HF directory `hf_dir`.
+
+        `load_weights=False` builds the model from `hf_dir`'s config only, for a state that
+        `load_state` restores next (e.g. converting a checkpoint).
+        """
         if config.megatron.pipeline_model_parallel_size != 1:
             raise ValueError(
                 "megatron.pipeline_model_parallel_size > 1 is not supported by TrainEngine yet"
@@ -75,7 +92,8 @@ class TrainEngine:
         np.random.seed(config.trainer.seed)
         dtype = config.megatron.params_dtype
         self._gpt: GPTModel = build_gpt_model(self.hf_config, config.megatron, params_dtype=dtype)
-        hf_weights.load_hf_into_model(self._gpt, self.hf_dir)
+        if load_weights:
+            hf_weights.load_hf_into_model(self._gpt, self.hf_dir)
         self.model = DistributedDataParallel(
             config=self._gpt.config,
             ddp_config=DistributedDataParallelConfig(
@@ -161,6 +179,7 @@ class TrainEngine:
         metrics.update(self._batch_metrics(batch, advantages))
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
+        metrics["actor/sft"] = float(step <= self.config.trainer.sft_warmup_steps)
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         metrics["time/train_step"] = float(elapsed)
@@ -324,7 +343,10 @@ class TrainEngine:
 
         With `background`, tensors are written by a separate process and training may go on;
         the returned handle's `done()`/`wait()` are collective (call them on every rank).
+        The model's HF config and tokenizer go to `model/`, so the state converts on its own.
         """
+        if self.parallel.is_rank0:
+            copy_model_description(self.hf_dir, Path(ckpt_dir) / MODEL_DESCRIPTION_DIR)
         return save_engine_state(
             Path(ckpt_dir),
             self._sharded_state_dict(is_loading=False),

@@ -95,9 +95,26 @@ def arithmetic_eval(seed: int) -> TaskSet:
     return _shuffled("arithmetic_eval", tasks, seed)
 
 
+def _addition_problems() -> list[Task]:
+    return [Task(f"{a}+{b}", f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+
+
+def addition(seed: int) -> TaskSet:
+    """The training split of single-digit additions (the demo's task), ordered by `seed`."""
+    return _shuffled("addition", [t for t in _addition_problems() if not _is_held_out(t)], seed)
+
+
+def addition_eval(seed: int) -> TaskSet:
+    """The held-out split of single-digit additions, ordered by `seed`."""
+    tasks = [t for t in _addition_problems() if _is_held_out(t)]
+    return _shuffled("addition_eval", tasks, seed)
+
+
 TASKSETS: dict[str, Callable[[int], TaskSet]] = {
     "arithmetic": arithmetic,
     "arithmetic_eval": arithmetic_eval,
+    "addition": addition,
+    "addition_eval": addition_eval,
 }
 
 
