@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import dagster as dg
+from pydantic import PrivateAttr
 
 from resources.run_config import RunConfigResource
 from trinity_dagster.service.client import EngineClient, EngineUnreachable
@@ -23,23 +24,36 @@ POLL_S = 0.5
 
 
 class EngineResource(dg.ConfigurableResource):
-    """Sends train, save and sync commands to the run's engine service."""
+    """Sends train, save and sync commands to the run's engine service.
+
+    One client (one connection pool) serves all commands of a run.
+    """
 
     run_config: dg.ResourceDependency[RunConfigResource]
     autostart: bool = True
+    _client: EngineClient | None = PrivateAttr(default=None)
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        """Close the run's client."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _connected(self, *, autostart: bool) -> EngineClient:
+        if self._client is None:
+            self._client = connect(self.run_config.config, autostart=autostart)
+        return self._client
 
     def _with_client(self, call: Callable[[EngineClient], T]) -> T:
-        config = self.run_config.config
         try:
-            with connect(config, autostart=self.autostart) as client:
-                return call(client)
+            return call(self._connected(autostart=self.autostart))
         except EngineUnreachable:
             if not self.autostart:
                 raise
         # the service died mid-command: start it again (it resumes from the newest complete
         # checkpoint) and repeat the command once
-        with connect(config, autostart=True) as client:
-            return call(client)
+        self.teardown_after_execution(None)  # type: ignore[arg-type]
+        return call(self._connected(autostart=True))
 
     def status(self) -> dict[str, Any]:
         """Step, weights version, ranks and health of the engine."""

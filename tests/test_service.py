@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -197,3 +199,32 @@ def test_client_reports_unreachable_service(tmp_path: Path) -> None:
         read_token(paths)
     with EngineClient("http://127.0.0.1:9", "t") as client, pytest.raises(ConnectionError):
         client.status()
+
+
+def test_convert_turns_a_checkpoint_into_the_same_hf_weights(service, tmp_path: Path) -> None:
+    config, client = service
+    client.train_step(1)
+    client.train_step(2)  # save_interval 2: checkpoint with an HF export (it serves as sync)
+    client.save_checkpoint(2, block=True)
+    ckpt = RunPaths.of(config.run_root).checkpoints / "global_step_2"
+    out = tmp_path / "converted"
+    cli = [sys.executable, "-m", "trinity_dagster.cli", "convert"]
+    done = subprocess.run(
+        [*cli, "--checkpoint", str(ckpt), "--out", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = load_file(ckpt / "huggingface" / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == expected.keys()
+    assert all(got[name].equal(tensor) for name, tensor in expected.items())
+    assert (out / "tokenizer_config.json").is_file()
+
+    victim = next(p for p in (ckpt / "dist").rglob("*") if p.is_file() and p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-1])
+    broken = subprocess.run(
+        [*cli, "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
+    assert broken.returncode == 2
+    assert victim.name in broken.stderr

@@ -121,7 +121,7 @@ class AlgorithmConfig(_Section):
 class BufferConfig(_Section):
     """The experience buffer: Delta tables under the run root and how batches are sampled."""
 
-    train_batch_size: int = Field(default=32, ge=1, description="Experiences per train step.")
+    train_batch_size: int = Field(default=64, ge=1, description="Experiences per train step.")
     batch_unit: Literal["rows", "groups"] = Field(
         default="groups", description="Pin whole GRPO groups, or single rows."
     )
@@ -135,7 +135,7 @@ class OptimConfig(_Section):
     """Optimizer and learning-rate schedule of the actor."""
 
     optimizer: Literal["adam", "adamw"] = "adamw"
-    lr: float = Field(default=3e-3, gt=0)
+    lr: float = Field(default=1e-4, gt=0)
     min_lr: float = Field(default=0.0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(default=0, ge=0)
@@ -158,6 +158,11 @@ class TrainerConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sft_warmup_steps: int = Field(
         default=40, ge=0, description="Steps of SFT on demonstrations before RL (demo)."
+    )
+    sft_lr: float | None = Field(
+        default=3e-3,
+        gt=0,
+        description="Learning rate of the SFT warm-up steps; None: the schedule's (optim.lr).",
     )
 
 
@@ -199,7 +204,7 @@ class ExplorerConfig(_Section):
     taskset: str = Field(default="addition", description="A registered task set, or a JSONL path.")
     eval_taskset: str = Field(default="addition_eval")
     reward_fn: str = Field(default="exact_match")
-    tasks_per_step: int = Field(default=4, ge=1)
+    tasks_per_step: int = Field(default=8, ge=1)
     eval_tasks: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     top_p: float = Field(default=1.0, gt=0, le=1)

@@ -48,7 +48,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
         config = load_config(None, overrides={"run_root": scratch})
         engine = TrainEngine(config, description, load_weights=False)
         try:
-            engine.load_state(checkpoint)
+            engine.load_weights(checkpoint)
             engine.export_hf(out)
         finally:
             engine.close()

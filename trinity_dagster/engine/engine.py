@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -36,10 +36,12 @@ from trinity_dagster.engine.model import build_gpt_model, local_logits
 from trinity_dagster.engine.optim import build_optimizer, build_scheduler
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
+    DIST_DIR,
     Layout,
     SaveHandle,
     SaveQueue,
     load_engine_state,
+    read_engine_state,
     save_engine_state,
 )
 from trinity_dagster.engine.train_step import (
@@ -153,6 +155,10 @@ class TrainEngine:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        sft_lr = self.config.trainer.sft_lr
+        if sft_lr is not None and step <= self.config.trainer.sft_warmup_steps:
+            for group in self.optimizer.param_groups:
+                group["lr"] = sft_lr * group.get("lr_mult", 1.0)
         lr = float(self.optimizer.param_groups[0]["lr"])
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, settings, len(micro_batches)),
@@ -365,6 +371,18 @@ class TrainEngine:
         self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(loaded["scheduler"])
+        self.step = int(meta["step"])
+
+    def load_weights(self, ckpt_dir: Path) -> None:
+        """Restore only the model weights of a saved state (no optimizer, scheduler or RNG).
+
+        For exporting a checkpoint whatever the run's optimizer or schedule settings were.
+        """
+        meta = read_engine_state(Path(ckpt_dir))
+        loaded = dist_checkpointing.load(
+            {"model": self._gpt.sharded_state_dict()}, str(Path(ckpt_dir) / DIST_DIR)
+        )
+        self._gpt.load_state_dict(loaded["model"], strict=False)
         self.step = int(meta["step"])
 
     # -- weights out ----------------------------------------------------------------------

@@ -94,7 +94,10 @@ def read_state(paths: RunPaths) -> ServiceState | None:
         return None
     except json.JSONDecodeError:
         return None
-    return ServiceState(**data)
+    try:
+        return ServiceState(**data)
+    except TypeError:  # written by another version: treat as stale
+        return None
 
 
 def clear_state(paths: RunPaths, pid: int | None = None) -> None:
