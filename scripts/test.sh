@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+bash scripts/ensure_chromium.sh  # headless Chromium for tests/test_e2e_dagster_dev.py
 exec "$VENV/bin/pytest" "$@"

@@ -1,0 +1,181 @@
+"""Benchmark of Dagster orchestration overhead on training steps (tiny model, CPU).
+
+The same N steps on the same experiences are trained three ways, each in a fresh run root
+and a fresh Python process (the code location reads its config at import), with the engine
+service started and warmed (`status`) before the clock starts:
+- direct: `EngineClient.train_step(1..N)` straight to the engine (the baseline);
+- ranged: ONE single-run-backfill run of `train_job` over steps 1..N, executed in process on
+  a real SQLite instance: it pins (a no-op here), reads each batch for its metadata, trains,
+  and logs one materialisation and the checks per step;
+- per-run: N runs of `train_job`, one per step, as the sensors launch them (run key tag),
+  also in process, so a real daemon's process launch per run (~ an import of dagster and the
+  code location) comes on top.
+The batches are pinned beforehand for all three, so every path trains on identical rows and
+pinning is not timed. Each step publishes its weights (sync_interval 1); no checkpoint is
+saved. The ways run in the order A B C C B A ... (`--repeats`), and the fastest run of each
+way counts, which damps the noise of a shared machine. Figures: `ranged_vs_direct_ratio`
+(goal <= 1.05) and `per_run_overhead_s` (per-run seconds per step minus direct seconds per
+step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.run_helpers import fill_buffer, pin_steps, tiny_config  # noqa: E402
+from trinity_dagster.config import TrinityConfig  # noqa: E402
+from trinity_dagster.paths import RunPaths  # noqa: E402
+from trinity_dagster.service.launcher import connect, stop_service  # noqa: E402
+
+PHASES = ("direct", "ranged", "per_run")
+
+
+def _prepare(root: Path, steps: int) -> TrinityConfig:
+    """A tiny run with experiences for `steps` steps, all pinned; the service warmed."""
+    root.mkdir(parents=True)
+    # weights are published every step (sync_interval 1); no checkpoint is written, as a
+    # background save overlapping later steps makes the timings noisy
+    trainer = {"total_steps": steps + 1000, "save_interval": 0}
+    config, _ = tiny_config(root, {"trainer": trainer, "synchronizer": {"sync_interval": 1}})
+    fill_buffer(config, steps)
+    pin_steps(config, range(1, steps + 1))
+    with connect(config) as client:
+        assert client.status()["step"] == 0
+    return config
+
+
+def _engine_seconds(metrics: dict[str, Any]) -> float:
+    """The engine's own time for a step: the sum of its `time/*` metrics."""
+    return sum(float(value) for name, value in metrics.items() if name.startswith("time/"))
+
+
+def _direct(config: TrinityConfig, steps: int) -> tuple[float, float]:
+    with connect(config) as client:
+        started = time.perf_counter()
+        records = [client.train_step(step) for step in range(1, steps + 1)]
+        seconds = time.perf_counter() - started
+    return seconds, sum(_engine_seconds(record["metrics"]) for record in records)
+
+
+def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, float]:
+    from trinity_dagster.commands.loop import prepare_instance
+
+    prepare_instance(config)
+    import dagster as dg
+
+    from assets.definitions import defs
+    from assets.partitions import step_key, step_partitions
+
+    instance = dg.DagsterInstance.get()
+    keys = [step_key(step) for step in range(1, steps + 1)]
+    instance.add_dynamic_partitions(step_partitions.name, keys)
+    job = defs.resolve_job_def("train_job")
+    started = time.perf_counter()
+    if ranged:
+        result = job.execute_in_process(
+            instance=instance,
+            tags={
+                "dagster/asset_partition_range_start": keys[0],
+                "dagster/asset_partition_range_end": keys[-1],
+            },
+        )
+        assert result.success
+    else:
+        for key in keys:
+            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": "data_sensor"}
+            result = job.execute_in_process(instance=instance, partition_key=key, tags=tags)
+            assert result.success
+    seconds = time.perf_counter() - started
+    events = instance.fetch_materializations(dg.AssetKey("train_step"), limit=steps + 1).records
+    metadata = {
+        record.asset_materialization.partition: {
+            name: value.value for name, value in record.asset_materialization.metadata.items()
+        }
+        for record in events
+    }
+    assert sorted(metadata) == keys, f"trained partitions {sorted(metadata)} != {keys}"
+    return seconds, sum(_engine_seconds(meta) for meta in metadata.values())
+
+
+def run_phase(phase: str, root: Path, steps: int) -> dict[str, Any]:
+    """Time one way of training `steps` steps in the run root `root`."""
+    config = _prepare(root, steps)
+    try:
+        if phase == "direct":
+            seconds, engine_s = _direct(config, steps)
+        else:
+            seconds, engine_s = _dagster(config, steps, ranged=phase == "ranged")
+    finally:
+        stop_service(RunPaths.of(config.run_root))
+    return {"phase": phase, "seconds": seconds, "engine_s": engine_s}
+
+
+def _column(runs: dict[str, list[dict[str, float]]], key: str) -> dict[str, list[float]]:
+    return {phase: [round(run[key], 3) for run in found] for phase, found in runs.items()}
+
+
+def main() -> None:
+    """Run each phase in its own process; print the figures, the last line as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each way (min is kept)")
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        print(json.dumps(run_phase(args.phase, args.root, args.steps)))
+        return
+    runs: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
+    order = [*PHASES, *reversed(PHASES)] * ((args.repeats + 1) // 2)
+    with tempfile.TemporaryDirectory(prefix="bench_orchestration_") as tmp:
+        for index, phase in enumerate(order[: len(PHASES) * args.repeats]):
+            root = f"{tmp}/{index}-{phase}"
+            command = [sys.executable, __file__, "--phase", phase, "--root", root]
+            done = subprocess.run(
+                [*command, "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+            )
+            if done.returncode != 0:
+                tail = done.stdout[-3000:] + done.stderr[-5000:]
+                raise SystemExit(f"phase {phase} failed:\n{tail}")
+            runs[phase].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            wall, engine = runs[phase][-1]["seconds"], runs[phase][-1]["engine_s"]
+            print(f"{phase:8s} {wall:7.2f} s for {args.steps} steps ({engine:.2f} s in the engine)")
+    fastest = {phase: min(found, key=lambda run: run["seconds"]) for phase, found in runs.items()}
+    seconds = {phase: run["seconds"] for phase, run in fastest.items()}
+    # wall time outside the engine's own step work: robust to the engine's timing noise
+    outside = {phase: run["seconds"] - run["engine_s"] for phase, run in fastest.items()}
+    n = args.steps
+    figures = {
+        "steps": n,
+        "direct_s": round(seconds["direct"], 3),
+        "ranged_s": round(seconds["ranged"], 3),
+        "per_run_s": round(seconds["per_run"], 3),
+        "ranged_vs_direct_ratio": round(seconds["ranged"] / seconds["direct"], 3),
+        "per_run_overhead_s": round((seconds["per_run"] - seconds["direct"]) / n, 3),
+        "direct_step_s": round(seconds["direct"] / n, 3),
+        "outside_engine_per_step_s": {phase: round(t / n, 3) for phase, t in outside.items()},
+        "raw_s": _column(runs, "seconds"),
+        "raw_engine_s": _column(runs, "engine_s"),
+        "goal_ranged_vs_direct_ratio": 1.05,
+        "pinned_beforehand": True,
+        "runs_in_process": True,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
