@@ -112,7 +112,6 @@ def train(
             yield step_materialization(BATCH, step, batch_metadata(run_config, step, pinned))
         if TRAIN in selected:
             record = engine.train_step(step)
-            context.log.info(f"step {step}: {record['metrics']}")
             yield step_materialization(TRAIN, step, train_metadata(record))
             metrics = record["metrics"]
             for name, (ok, reason) in {

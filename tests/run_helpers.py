@@ -44,6 +44,7 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def tiny_config(tmp_path: Path, extra: dict[str, Any] | None = None) -> tuple[TrinityConfig, Path]:
     """A tiny-model run under `tmp_path/run`, and the YAML file it was loaded from."""
     data = merge(TINY, {"run_root": str(tmp_path / "run"), **(extra or {})})
+    tmp_path.mkdir(parents=True, exist_ok=True)
     file = tmp_path / "config.yaml"
     file.write_text(yaml.safe_dump(data))
     return load_config(file), file

@@ -15,7 +15,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.run_helpers import fill_buffer, pin_steps, tiny_config
-from trinity_dagster.checkpoint.layout import latest_checkpoint_step, weights_dir
+from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step, weights_dir
+from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient, EngineError
 from trinity_dagster.service.launcher import connect, live_service, stop_service
@@ -118,6 +119,12 @@ def test_stale_state_file_is_detected_and_replaced(tmp_path: Path) -> None:
     assert read_state(paths) is None
 
 
+def _assert_marker_names_a_verified_checkpoint(paths: RunPaths) -> None:
+    marker = latest_checkpoint_step(paths)
+    if marker is not None:
+        verify_checkpoint(checkpoint_dir(paths, marker))
+
+
 def _train_all_with_kills(config, kills: int, seed: int) -> list[list[int]]:
     """Drive every step through the client, kill -9 the service at random moments."""
     rng = random.Random(seed)
@@ -138,6 +145,7 @@ def _train_all_with_kills(config, kills: int, seed: int) -> list[list[int]]:
                     continue
                 finally:
                     killer.join()
+                    _assert_marker_names_a_verified_checkpoint(paths)
             else:
                 result = client.train_step(step)
             replays.append(result["replayed"])
@@ -160,7 +168,7 @@ def test_kill_9_at_random_points_reaches_the_uninterrupted_weights(tmp_path: Pat
     fill_buffer(crashed, steps=crashed.trainer.total_steps)
     pin_steps(crashed, range(1, crashed.trainer.total_steps + 1))
     try:
-        replays = _train_all_with_kills(crashed, kills=5, seed=7)
+        replays = _train_all_with_kills(crashed, kills=10, seed=7)
     finally:
         stop_service(RunPaths.of(crashed.run_root))
     got = final_weights(crashed)
