@@ -128,3 +128,15 @@ def test_overrides_use_dotted_keys(tmp_path: Path) -> None:
     assert cfg.trainer.total_steps == 3
     with pytest.raises(ConfigError, match=r"trainer\.bogus: unknown key"):
         load_config(None, overrides={"trainer.bogus": 1})
+
+
+def test_demo_example_spells_out_the_embedded_defaults() -> None:
+    example = load_config(Path(__file__).resolve().parents[1] / "examples" / "demo.yaml")
+    defaults = load_config(None, overrides={"run_root": example.run_root})
+    assert example == defaults
+
+
+@pytest.mark.parametrize("name", ["grpo_jsonl.yaml", "sft_only.yaml"])
+def test_examples_load(name: str) -> None:
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / name)
+    assert Path(cfg.run_root).is_absolute()

@@ -14,12 +14,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trinity_dagster.explorer.tasks import load_taskset
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = 60  # 40 SFT steps (the demo's default) + 20 GRPO steps
-# GRPO's first 5 steps vs its last 5, each the mean exact-match reward of 160 sampled
-# answers. Run to run, one 5-step window varies by about +-0.05 (binomial noise of 160
-# draws near p=0.5 is 0.04); the rise seen with this seed is 0.2-0.3, so 0.1 is a clear
-# margin that a policy which stopped learning would not pass.
-MIN_RISE = 0.1
+# The demo exactly as `make demo` runs it: 40 SFT steps, then 40 GRPO steps, seed 42.
+STEPS = 80
+# Rollout reward of GRPO's first 5 steps vs its last 5 (320 sampled answers each). With a
+# fixed seed the run is deterministic on this platform; the margin guards the claim rather
+# than noise: a window of 320 draws near p=0.2 has a standard deviation of about 0.022, so a
+# policy that stopped learning would rise by less than 0.04 (about 1.3 sigma of the
+# difference) in nearly all runs, while the demo's measured rise is about 0.08.
+MIN_REWARD_RISE = 0.04
+# Greedy accuracy on the 22 held-out additions, before training vs after: one task is 0.045.
+MIN_ACCURACY_RISE = 0.1
 
 
 @pytest.mark.slow
@@ -33,10 +37,6 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
             "demo",
             "--root",
             str(root),
-            "--steps",
-            str(STEPS),
-            "--seed",
-            "1",
         ],
         cwd=REPO,
         capture_output=True,
@@ -47,7 +47,8 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     assert "dagster dev -w workspace.yaml" in done.stdout
     summary = json.loads((root / "summary.json").read_text())
     assert summary["steps"] == STEPS
-    assert summary["reward_last"] - summary["reward_first"] >= MIN_RISE, summary
+    assert summary["reward_last"] - summary["reward_first"] >= MIN_REWARD_RISE, summary
+    assert summary["accuracy_end"] - summary["accuracy_start"] >= MIN_ACCURACY_RISE, summary
 
     for name in ("dagster_home", "experiences", "batches", "checkpoints", "weights", "logs"):
         assert (root / name).is_dir(), name
@@ -80,5 +81,4 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
             out = model.generate(ids, max_new_tokens=4, do_sample=False)
         answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
         correct += answer == task.answer
-    assert correct / len(held_out) >= summary["accuracy_start"]
-    assert correct >= 1
+    assert correct / len(held_out) >= summary["accuracy_start"] + MIN_ACCURACY_RISE
