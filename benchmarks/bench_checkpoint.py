@@ -1,11 +1,24 @@
-"""Benchmark of checkpoints: what the manifest, the crash-safe finalization and background saves
-cost against plain writes of the same state.
+"""Checkpoint costs seen by the train loop of the real Megatron `TrainEngine` (CPU, one rank).
 
-Baselines measured in the same run: `torch.save` of the state (what a save without a manifest
-costs), a plain read of the files (what `verify_checkpoint` costs without hashing), and a plain
-`safetensors` `save_file` (what `publish_weights` costs without temp dir, fsync and rename).
-Figures: seconds and ratios; `background_block_ms` is how long a background save holds the
-caller (snapshot + hand-off) against a blocking save's full time.
+A tiny random HF Llama (hidden 256, 4 layers, vocab 8192 by default: ~100 MiB of weights
+and Adam state) is trained by a `TrainEngine`; a `CheckpointManager` saves it.
+
+- blocking save: wall time of `manager.save(step, block=True)` (state written, hashed,
+  fsynced, manifest, rename) — the baseline.
+- background save, as the train loop sees it: the save is started after a step, training goes
+  on and `poll()` runs after every step until the save is finalized. The loop's extra time is
+  the whole loop's wall time minus the same number of clean steps (median step time measured
+  in between): it includes `save()` returning, the steps slowed down while the writer runs
+  (CPU, copy-on-write faults) and the finalizing `poll()`. Parts are reported too.
+- the first background save of the process is reported on its own (one-time set-up).
+- publishing synced weights (`publish_weights` of the engine's `hf_state_dict()`) against a
+  plain `safetensors.torch.save_file` of the same tensors.
+- the same background save with Megatron's forked writer process (`fork_writer_*`), the
+  engine's writer before it wrote from a snapshot on a thread (see `engine/state.py`).
+
+Each figure is the median of `--repeats`; the last line printed is one JSON object. Torch runs
+with `--threads` intra-op threads (1: on a small shared machine more threads make every step,
+and the figures, much noisier).
 """
 
 from __future__ import annotations
@@ -14,143 +27,252 @@ import argparse
 import json
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
-
-from trinity_dagster.checkpoint.manager import CheckpointManager
-from trinity_dagster.checkpoint.manifest import verify_checkpoint
-from trinity_dagster.checkpoint.publish import publish_weights
-from trinity_dagster.config import config_from_dict
-from trinity_dagster.paths import RunPaths
 
 
-class _Handle:
-    def __init__(self, thread: threading.Thread | None) -> None:
-        self._thread = thread
+def make_hf_dir(path: Path, args: argparse.Namespace) -> None:
+    """A random Llama of the benchmark's size, saved with transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    def done(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * args.seq,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
 
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+
+def make_batch(gen: torch.Generator, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """Full-length rows, half prompt and half response, one GRPO group of 4."""
+    rows, seq = 4, args.seq
+    response = torch.zeros(rows, seq, dtype=torch.bool)
+    response[:, seq // 2 :] = True
+    old = torch.where(response, -torch.rand(rows, seq, generator=gen) - 8.5, torch.zeros(()))
+    return {
+        "tokens": torch.randint(0, args.vocab, (rows, seq), generator=gen),
+        "attention_mask": torch.ones(rows, seq, dtype=torch.bool),
+        "response_mask": response,
+        "old_logprobs": old,
+        "rewards": torch.rand(rows, generator=gen),
+        "group_index": torch.zeros(rows, dtype=torch.int64),
+    }
 
 
-class _Provider:
-    """Weights plus two Adam moments: `mib` MiB of float32 tensors in total."""
+def timed(fn) -> float:
+    """Wall seconds of `fn()`."""
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
-    def __init__(self, mib: int) -> None:
-        per_tensor = 1 << 18  # 1 MiB of float32
-        count = max(1, mib // 3)
-        self.weights = {f"layer{i}.weight": torch.randn(per_tensor) for i in range(count)}
-        self.moments = {
-            name: (torch.zeros_like(t), torch.zeros_like(t)) for name, t in self.weights.items()
+
+class Loop:
+    """The engine, its checkpoint manager and a train loop that polls after every step."""
+
+    def __init__(self, root: Path, args: argparse.Namespace) -> None:
+        from trinity_dagster.checkpoint.manager import CheckpointManager
+        from trinity_dagster.config import config_from_dict
+        from trinity_dagster.engine.engine import TrainEngine
+        from trinity_dagster.paths import RunPaths
+
+        make_hf_dir(root / "hf", args)
+        config = config_from_dict(
+            {
+                "run_root": str(root / "run"),
+                "model": {
+                    "max_prompt_tokens": args.seq // 2,
+                    "max_response_tokens": args.seq // 2,
+                    "max_position_embeddings": 2 * args.seq,
+                },
+                "algorithm": {"repeat_times": 4},
+                "buffer": {"train_batch_size": 4},
+                "trainer": {
+                    "micro_batch_size": 4,
+                    "total_steps": 10_000,
+                    "max_checkpoints_to_keep": 2,
+                    "optim": {"lr": 1e-5},
+                },
+            }
+        )
+        self.paths = RunPaths.of(config.run_root)
+        self.engine = TrainEngine(config, root / "hf")
+        self.manager = CheckpointManager(config, self.paths, self.engine)
+        self.args = args
+        self._gen = torch.Generator().manual_seed(0)
+        self.clean_steps: list[float] = []
+        self.poll_s = 0.0
+
+    def step(self) -> float:
+        """Train the next step and poll the manager; wall seconds (poll time adds to poll_s)."""
+        batch = make_batch(self._gen, self.args)
+        started = time.perf_counter()
+        self.engine.train_step(self.engine.step + 1, batch)
+        polled = time.perf_counter()
+        self.manager.poll()
+        self.poll_s += time.perf_counter() - polled
+        return time.perf_counter() - started
+
+    def clean_step(self) -> None:
+        """A step with no save in flight, for the baseline step time."""
+        assert not self.manager.pending_steps()
+        self.clean_steps.append(self.step())
+
+    def background_save(self, *, hf: bool, writer: str | None = None) -> dict[str, float]:
+        """Save in the background and train until it is finalized; the loop's costs.
+
+        `writer` picks the engine's state writer for this save ("thread", "fork"; None: the
+        engine's default).
+        """
+        from trinity_dagster.engine.state import SaveQueue
+
+        default = self.engine._async_saves
+        if writer is not None:
+            self.engine._async_saves = SaveQueue(writer)
+        self.step()
+        step = self.engine.step
+        held = timed(lambda: self.manager.save(step, hf=hf, block=False))
+        self.poll_s = 0.0
+        loop_s, steps, first_step = held, 0, None
+        while self.manager.is_pending(step):
+            if steps >= self.args.max_steps_per_save:
+                loop_s += timed(lambda: self.manager.wait(step))
+                break
+            took = self.step()
+            first_step = took if first_step is None else first_step
+            loop_s += took
+            steps += 1
+        poll_s = self.poll_s
+        if writer is not None:
+            self.engine._async_saves.close()
+            self.engine._async_saves = default
+        self.clean_step()
+        clean = statistics.median(self.clean_steps)
+        return {
+            "held_s": held,
+            "poll_s": poll_s,
+            "blocked_s": loop_s - steps * clean,
+            "first_step_extra_s": (first_step or clean) - clean,
+            "steps_while_saving": steps,
         }
-        self.step = 1
 
-    def _write(self, ckpt_dir: Path, snapshot: dict) -> None:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(snapshot["weights"], ckpt_dir / "model.pt")
-        torch.save(snapshot["moments"], ckpt_dir / "optim.pt")
-
-    def save_state(self, ckpt_dir: Path, *, background: bool = False) -> _Handle:
-        snapshot = {
-            "weights": {k: v.clone() for k, v in self.weights.items()},
-            "moments": {k: (a.clone(), b.clone()) for k, (a, b) in self.moments.items()},
-        }
-        if not background:
-            self._write(ckpt_dir, snapshot)
-            return _Handle(None)
-        thread = threading.Thread(target=self._write, args=(ckpt_dir, snapshot))
-        thread.start()
-        return _Handle(thread)
-
-    def load_state(self, ckpt_dir: Path) -> None:
-        self.weights = torch.load(ckpt_dir / "model.pt")
-
-    def export_hf(self, out_dir: Path) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text("{}")
-        save_file(self.weights, str(out_dir / "model.safetensors"))
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.weights
+    def blocking_save(self, *, hf: bool) -> float:
+        """Wall seconds of a blocking save of the next step."""
+        self.step()
+        step = self.engine.step
+        took = timed(lambda: self.manager.save(step, hf=hf, block=True))
+        self.clean_step()
+        return took
 
 
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def median_of(runs: list[dict[str, float]], key: str) -> float:
+    """The median of one figure over repeated runs."""
+    return statistics.median(run[key] for run in runs)
+
+
+def publish_figures(loop: Loop, root: Path, repeats: int) -> dict[str, float]:
+    """publish_weights of the engine's HF tensors vs a plain safetensors save_file."""
+    from safetensors.torch import save_file
+
+    from trinity_dagster.checkpoint.publish import publish_weights
+
+    tensors = loop.engine.hf_state_dict()
+    hf_dir = root / "hf"
+    plain, publish = [], []
+    for version in range(1, repeats + 1):
+        plain.append(timed(lambda: save_file(tensors, str(root / "plain.safetensors"))))
+        publish.append(
+            timed(
+                lambda v=version: publish_weights(
+                    loop.paths, v, tensors, loop.engine.hf_config, hf_dir
+                )
+            )
+        )
+    plain_s, publish_s = statistics.median(plain), statistics.median(publish)
+    return {
+        "raw_safetensors_save_s": round(plain_s, 3),
+        "publish_weights_s": round(publish_s, 3),
+        "publish_vs_safetensors_ratio": round(publish_s / plain_s, 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=96, help="size of the saved state in MiB")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-steps-per-save", type=int, default=40)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (as the tests use)"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        config = config_from_dict(
-            {"run_root": str(root / "run"), "trainer": {"max_checkpoints_to_keep": 2}}
-        )
-        paths = RunPaths.of(config.run_root)
-        provider = _Provider(args.mib)
-        manager = CheckpointManager(config, paths, provider)
-        state_bytes = sum(t.numel() * 4 for t in provider.weights.values()) * 3
-        counter = iter(range(10_000))
-
-        def raw_save() -> None:
-            provider.save_state(root / f"raw_{next(counter)}").wait()
-
-        def managed_save(block: bool) -> float:
-            provider.step += 1
-            start = time.perf_counter()
-            manager.save(provider.step, block=block)
-            held = time.perf_counter() - start
-            manager.wait_all()
-            return held
-
-        raw_s = _median_s(raw_save, args.repeats)
-        blocking_s = statistics.median(managed_save(True) for _ in range(args.repeats))
-        background_held_s = statistics.median(managed_save(False) for _ in range(args.repeats))
-
-        ckpt = paths.checkpoints / f"global_step_{provider.step}"
-        files = [p for p in ckpt.rglob("*") if p.is_file()]
-        read_s = _median_s(lambda: [p.read_bytes() for p in files], args.repeats)
-        verify_s = _median_s(lambda: verify_checkpoint(ckpt), args.repeats)
-        size_checks_s = _median_s(lambda: verify_checkpoint(ckpt, checksums=False), args.repeats)
-
-        raw_st_s = _median_s(
-            lambda: save_file(provider.weights, str(root / "plain.safetensors")), args.repeats
-        )
-        version = iter(range(10_000))
-        publish_s = _median_s(
-            lambda: publish_weights(paths, next(version), provider.weights, {}, None), args.repeats
-        )
-    mib = state_bytes / (1 << 20)
-    figures = {
-        "state_mib": round(mib, 1),
-        "raw_torch_save_s": round(raw_s, 3),
-        "managed_blocking_save_s": round(blocking_s, 3),
-        "ratio_managed_raw": round(blocking_s / raw_s, 3),
-        "background_block_ms": round(background_held_s * 1000, 1),
-        "blocked_vs_blocking_ratio": round(background_held_s / blocking_s, 3),
-        "raw_read_mib_per_s": round(mib / read_s, 1),
-        "verify_sha256_mib_per_s": round(mib / verify_s, 1),
-        "verify_sizes_only_ms": round(size_checks_s * 1000, 2),
-        "raw_safetensors_save_s": round(raw_st_s, 3),
-        "publish_weights_s": round(publish_s, 3),
-        "publish_vs_safetensors_ratio": round(publish_s / raw_st_s, 3),
-    }
+        loop = Loop(root, args)
+        try:
+            for _ in range(3):
+                loop.clean_step()
+            first = loop.background_save(hf=False)
+            blocking, background, forked = [], [], []
+            for _ in range(args.repeats):  # interleaved, so each kind sees the same load
+                blocking.append(loop.blocking_save(hf=False))
+                background.append(loop.background_save(hf=False))
+                forked.append(loop.background_save(hf=False, writer="fork"))
+            blocking_hf = [loop.blocking_save(hf=True) for _ in range(args.repeats)]
+            background_hf = [loop.background_save(hf=True) for _ in range(args.repeats)]
+            figures: dict[str, Any] = {"state_mib": round(state_mib(loop.paths), 1)}
+            figures.update(publish_figures(loop, root, args.repeats))
+        finally:
+            loop.manager.wait_all()
+            loop.engine.close()
+    blocking_s, blocked_s = statistics.median(blocking), median_of(background, "blocked_s")
+    blocking_hf_s = statistics.median(blocking_hf)
+    figures.update(
+        {
+            "train_step_s": round(statistics.median(loop.clean_steps), 3),
+            "first_background_held_s": round(first["held_s"], 3),
+            "first_background_blocked_s": round(first["blocked_s"], 3),
+            "blocking_save_s": round(blocking_s, 3),
+            "background_held_s": round(median_of(background, "held_s"), 3),
+            "background_poll_s": round(median_of(background, "poll_s"), 3),
+            "background_first_step_extra_s": round(median_of(background, "first_step_extra_s"), 3),
+            "background_steps_while_saving": median_of(background, "steps_while_saving"),
+            "background_blocked_s": round(blocked_s, 3),
+            "blocked_vs_blocking_ratio": round(blocked_s / blocking_s, 3),
+            "held_vs_blocking_ratio": round(median_of(background, "held_s") / blocking_s, 3),
+            "fork_writer_held_s": round(median_of(forked, "held_s"), 3),
+            "fork_writer_first_step_extra_s": round(median_of(forked, "first_step_extra_s"), 3),
+            "fork_writer_blocked_s": round(median_of(forked, "blocked_s"), 3),
+            "hf_blocking_save_s": round(blocking_hf_s, 3),
+            "hf_background_held_s": round(median_of(background_hf, "held_s"), 3),
+            "hf_background_blocked_s": round(median_of(background_hf, "blocked_s"), 3),
+            "hf_blocked_vs_blocking_ratio": round(
+                median_of(background_hf, "blocked_s") / blocking_hf_s, 3
+            ),
+        }
+    )
     print(json.dumps(figures))
 
 
-if __name__ == "__main__":
+def state_mib(paths) -> float:
+    """Size of the newest complete checkpoint on disk, MiB."""
+    from trinity_dagster.checkpoint.manager import latest_complete
+
+    found = latest_complete(paths, checksums=False)
+    assert found is not None, "no complete checkpoint was written"
+    return sum(p.stat().st_size for p in found[1].rglob("*") if p.is_file()) / (1 << 20)
+
+
+if __name__ == "__main__":  # dist_checkpointing's writer uses multiprocessing
     main()

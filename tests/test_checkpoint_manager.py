@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.test_checkpoint_provider import STATE_FILES, TinyProvider
+from trinity_dagster.checkpoint import manager as manager_module
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -27,6 +28,7 @@ from trinity_dagster.checkpoint.manager import (
 from trinity_dagster.checkpoint.manifest import (
     MANIFEST_FILE,
     CorruptCheckpointError,
+    build_manifest,
     verify_checkpoint,
 )
 from trinity_dagster.config import config_from_dict
@@ -173,17 +175,66 @@ def test_resave_keeps_a_complete_checkpoint_and_replaces_a_partial_one(tmp_path)
 
 
 def test_save_rejects_bad_input(tmp_path) -> None:
-    _, _, provider, manager = _setup(tmp_path)
+    _, paths, provider, manager = _setup(tmp_path)
     _train_to(provider, 2)
     with pytest.raises(ValueError, match="step 3: the engine is at step 2"):
         manager.save(3)
     with pytest.raises(ValueError, match="must export HF weights"):
         manager.save(2, serves_as_sync=True)
+    with pytest.raises(ValueError, match="sampler_state of step 2 is not JSON-serializable"):
+        manager.save(2, sampler_state={"cursor": object()})
+    assert scan_step_dirs(paths.checkpoints) == []  # refused before anything was written
     _, gate = _gated_save(manager, provider, 2)
     with pytest.raises(ValueError, match="a save of step 2 is already in progress"):
         manager.save(2)
     gate.set()
     manager.wait_all()
+
+
+def test_files_are_hashed_on_a_helper_thread_and_the_manifest_comes_after(
+    tmp_path, monkeypatch
+) -> None:
+    _, paths, provider, manager = _setup(tmp_path)
+    _train_to(provider, 1)
+    hashing, release, threads = threading.Event(), threading.Event(), []
+
+    def slow_build_manifest(*args, **kwargs):
+        threads.append(threading.current_thread())
+        hashing.set()
+        assert release.wait(10), "the test never released the hashing"
+        return build_manifest(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "build_manifest", slow_build_manifest)
+    ticket = manager.save(1, sampler_state={"cursor": 8})
+    deadline = time.monotonic() + 10
+    while not hashing.is_set():  # hashing starts at the first poll after the state is written
+        assert manager.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.01)
+    assert threads[0] is not threading.main_thread()
+    # being hashed: polling does not wait for it and nothing is installed yet
+    assert manager.poll() == [] and manager.pending_steps() == [1]
+    assert not checkpoint_dir(paths, 1).exists() and latest_checkpoint_step(paths) is None
+    (tmp,) = scan_step_dirs(paths.checkpoints)
+    assert tmp.kind == "tmp" and not (tmp.path / MANIFEST_FILE).exists()
+    release.set()
+    _poll_until_done(manager)
+    assert ticket.finished and latest_checkpoint_step(paths) == 1
+    assert verify_checkpoint(checkpoint_dir(paths, 1)).sampler_state == {"cursor": 8}
+
+
+def test_hashing_error_propagates_and_leaves_no_partial_dir(tmp_path, monkeypatch) -> None:
+    _, paths, provider, manager = _setup(tmp_path)
+    _train_to(provider, 1)
+
+    def failing_build_manifest(ckpt_dir, **kwargs):
+        raise OSError(f"{ckpt_dir}: disk went away")
+
+    monkeypatch.setattr(manager_module, "build_manifest", failing_build_manifest)
+    manager.save(1)
+    with pytest.raises(CheckpointSaveError, match=r"step 1 .* failed: .*disk went away"):
+        manager.wait(1)
+    assert manager.pending_steps() == [] and scan_step_dirs(paths.checkpoints) == []
+    assert latest_checkpoint_step(paths) is None
 
 
 def test_save_serving_as_sync_publishes_the_hf_export(tmp_path) -> None:
@@ -229,3 +280,24 @@ def test_resume_without_checkpoints_is_a_fresh_start(tmp_path) -> None:
     other = TinyProvider(seed=3)
     assert CheckpointManager(manager.config, paths, other).resume() == 2
     assert other.step == 2
+
+
+def test_retention_runs_off_the_loop_and_its_error_is_raised(tmp_path, monkeypatch) -> None:
+    _, paths, provider, manager = _setup(tmp_path, keep=1)
+    for step in (1, 2):
+        _train_to(provider, step)
+        manager.save(step, block=True)
+    assert [d.step for d in scan_step_dirs(paths.checkpoints)] == [2]  # pruned, waited for
+    threads = []
+
+    def failing_prune(*args, **kwargs):
+        threads.append(threading.current_thread())
+        raise OSError("retention could not delete global_step_2")
+
+    monkeypatch.setattr(manager_module, "prune_checkpoints", failing_prune)
+    _train_to(provider, 3)
+    manager.save(3)
+    with pytest.raises(OSError, match="could not delete global_step_2"):
+        manager.wait_all()
+    assert threads[0] is not threading.main_thread()
+    assert latest_checkpoint_step(paths) == 3 and verify_checkpoint(checkpoint_dir(paths, 3))

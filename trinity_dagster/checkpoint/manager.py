@@ -1,23 +1,27 @@
 """Full checkpoints: saved (in the background or blocking), finalized with a manifest, resumed.
 
 A save writes into a hidden temp directory `.global_step_N.tmp-<config hash>/`: the HF export
-(if asked), then the provider's state. When the provider's save is done, the manifest is
-written last, the directory is renamed to `global_step_N/` (a complete checkpoint of that step
-already there is kept), `latest_checkpointed_iteration.txt` moves forward and retention runs.
-Background saves are finalized by `poll()` / `wait()` / `wait_all()`, which also raise the
-errors of failed saves. Under torch.distributed every rank calls the same methods in the same
-order (the provider's saves are collective); only rank 0 writes manifests and markers.
+(if asked), then the provider's state. When the provider's save is done, every file is hashed
+and fsynced (on a helper thread, so a background save does not hold the train loop for it),
+then the manifest is written last, the directory is renamed to `global_step_N/` (a complete
+checkpoint of that step already there is kept), `latest_checkpointed_iteration.txt` moves
+forward and retention runs. Background saves are finalized by `poll()` / `wait()` /
+`wait_all()`, which also raise the errors of failed saves. Under torch.distributed every rank
+calls the same methods in the same order (the provider's saves are collective); only rank 0
+hashes and writes manifests and markers, and whether it is done is rank 0's answer, broadcast.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
@@ -54,7 +58,10 @@ class CheckpointSaveError(RuntimeError):
 
 @dataclass
 class SaveTicket:
-    """One checkpoint save: pending until finalized, then `manifest` is set (on rank 0)."""
+    """One checkpoint save: pending until finalized, then `manifest` is set (on rank 0).
+
+    A pending save is first writing (`handle` not done), then hashing (`hashing` running).
+    """
 
     step: int
     directory: Path
@@ -63,6 +70,8 @@ class SaveTicket:
     serves_as_sync: bool
     sampler_state: dict[str, Any]
     handle: SaveHandle | None = field(repr=False, default=None)
+    hashing: Future[Manifest] | None = field(repr=False, default=None)
+    written: bool = False
     finished: bool = False
     manifest: Manifest | None = None
 
@@ -121,6 +130,8 @@ class CheckpointManager:
         self.writer = _dist_rank_and_size()[0] == 0 if writer is None else writer
         self._config_hash = config.resolved_hash()
         self._pending: dict[int, SaveTicket] = {}
+        self._helper: ThreadPoolExecutor | None = None
+        self._retention: Future[Any] | None = None
 
     # --- saving ----------------------------------------------------------------------
     def save(
@@ -139,6 +150,7 @@ class CheckpointManager:
         and every earlier save are complete; otherwise the save runs in the background.
         """
         self.poll()
+        self._check_retention(block=True)  # it must know every temp directory in use
         if step != self.provider.step:
             raise ValueError(
                 f"cannot save checkpoint of step {step}: the engine is at step {self.provider.step}"
@@ -147,6 +159,12 @@ class CheckpointManager:
             raise ValueError(f"a save of step {step} is already in progress")
         if serves_as_sync and not hf:
             raise ValueError(f"step {step}: a save that serves as the sync must export HF weights")
+        try:
+            json.dumps(sampler_state or {})
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"sampler_state of step {step} is not JSON-serializable: {err}"
+            ) from None
         ticket = SaveTicket(
             step=step,
             directory=checkpoint_dir(self.paths, step),
@@ -199,12 +217,15 @@ class CheckpointManager:
 
     def poll(self) -> list[SaveTicket]:
         """Finalize the background saves that are done; raise the error of a failed one."""
+        self._check_retention(block=False)
         finished = []
         for step in self.pending_steps():
             ticket = self._pending[step]
             assert ticket.handle is not None
-            if ticket.handle.done():
-                self._finalize(ticket)
+            if not ticket.written and ticket.handle.done():
+                self._written(ticket)
+            if ticket.written and _from_rank0(ticket.hashing is None or ticket.hashing.done()):
+                self._complete(ticket)
                 finished.append(ticket)
         return finished
 
@@ -213,7 +234,9 @@ class CheckpointManager:
         ticket = self._pending.get(step)
         if ticket is None:
             return None
-        self._finalize(ticket)
+        if not ticket.written:
+            self._written(ticket)
+        self._complete(ticket)
         return ticket
 
     def wait_all(self) -> None:
@@ -224,33 +247,66 @@ class CheckpointManager:
                 self.wait(step)
             except Exception as err:
                 first_error = first_error or err
+        try:
+            self._check_retention(block=True)
+        except Exception as err:
+            first_error = first_error or err
         if first_error is not None:
             raise first_error
 
-    def _finalize(self, ticket: SaveTicket) -> None:
-        del self._pending[ticket.step]
+    def _written(self, ticket: SaveTicket) -> None:
+        """The provider's save is done: finish it, then hash its files on the helper thread."""
         assert ticket.handle is not None
         try:
             ticket.handle.wait()
         except Exception as err:
-            if self.writer:
-                shutil.rmtree(ticket.tmp_dir, ignore_errors=True)
-            raise CheckpointSaveError(
-                f"saving checkpoint of step {ticket.step} into {ticket.tmp_dir} failed: {err}"
-            ) from err
+            self._fail(ticket, err)
+        ticket.written = True
         if self.writer:
-            self._install(ticket)
+            ticket.hashing = self._helper_thread().submit(
+                build_manifest,
+                ticket.tmp_dir,
+                step=ticket.step,
+                config_hash=self._config_hash,
+                sampler_state=ticket.sampler_state,
+            )
+
+    def _complete(self, ticket: SaveTicket) -> None:
+        """Files hashed: write the manifest, install the directory, markers, retention."""
+        if ticket.hashing is not None:
+            try:
+                manifest = ticket.hashing.result()
+            except Exception as err:
+                self._fail(ticket, err)
+            del self._pending[ticket.step]
+            self._install(ticket, manifest)
             self._after_install(ticket)
+        else:
+            del self._pending[ticket.step]
         ticket.finished = True
 
-    def _install(self, ticket: SaveTicket) -> None:
+    def _helper_thread(self) -> ThreadPoolExecutor:
+        """The one thread that hashes saves and runs retention, in the order submitted."""
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-helper")
+        return self._helper
+
+    def _check_retention(self, *, block: bool) -> None:
+        """Raise the error of the last retention run once it is over (wait for it if `block`)."""
+        if self._retention is not None and (block or self._retention.done()):
+            run, self._retention = self._retention, None
+            run.result()
+
+    def _fail(self, ticket: SaveTicket, err: Exception) -> NoReturn:
+        del self._pending[ticket.step]
+        if self.writer:
+            shutil.rmtree(ticket.tmp_dir, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"saving checkpoint of step {ticket.step} into {ticket.tmp_dir} failed: {err}"
+        ) from err
+
+    def _install(self, ticket: SaveTicket, manifest: Manifest) -> None:
         """Manifest last, then rename the temp directory to `global_step_N/`."""
-        manifest = build_manifest(
-            ticket.tmp_dir,
-            step=ticket.step,
-            config_hash=self._config_hash,
-            sampler_state=ticket.sampler_state,
-        )
         write_manifest(ticket.tmp_dir, manifest)
         final = ticket.directory
         if final.exists():
@@ -267,7 +323,11 @@ class CheckpointManager:
         log.info("checkpoint of step %d complete at %s", ticket.step, final)
 
     def _after_install(self, ticket: SaveTicket) -> None:
-        """Marker forward, sync bookkeeping, retention."""
+        """Marker forward, sync bookkeeping, then retention on the helper thread.
+
+        Retention is safe to run beside training and other processes (see `retention`); its
+        error is raised by a later `poll()` or by `wait_all()`, which waits for it.
+        """
         try:
             current = latest_checkpoint_step(self.paths)
         except ValueError as err:
@@ -277,7 +337,9 @@ class CheckpointManager:
             set_latest_checkpoint_step(self.paths, ticket.step)
         if ticket.serves_as_sync:
             record_sync_from_checkpoint(self.paths, ticket.step)
-        prune_checkpoints(
+        self._check_retention(block=True)
+        self._retention = self._helper_thread().submit(
+            prune_checkpoints,
             self.paths,
             self.config.trainer.max_checkpoints_to_keep,
             in_progress=[t.tmp_dir for t in self._pending.values()],
@@ -290,6 +352,7 @@ class CheckpointManager:
         Returns its manifest (with the sampler state). A damaged checkpoint raises
         CorruptCheckpointError naming the file; no checkpoint at all raises FileNotFoundError.
         """
+        self._check_retention(block=True)
         if step is None:
             found = _from_rank0(latest_complete(self.paths, checksums=self.writer))
             if found is None:

@@ -6,8 +6,15 @@ Layout of a state directory (every rank takes part in writing and reading it):
     rng/rank_NNNNN.pt     this rank's RNG states (python, numpy, torch, CUDA, Megatron tracker)
     engine_state.json     {"step": N, ...}, written by rank 0 last: the state is complete
 
-Background saves use dist_checkpointing's async save: the tensors are written by a forked
-process (a copy-on-write snapshot taken when the save starts), so training may go on.
+Background saves use dist_checkpointing's async save, so training may go on while the tensors
+are written: from a snapshot by a writer thread on CPU (`ThreadAsyncCaller`), by Megatron's
+forked writer process with CUDA (see `SaveQueue`).
+
+What a save costs the caller is kept small: the save strategy (with its cached save plans) is
+reused while the state's structure stays the same, and Megatron's sharding validation (a
+gather of every shard's metadata) runs only when the structure is new — as Megatron-LM does
+with `--ckpt-assume-constant-structure`, but checked instead of assumed. The writers' results
+queue is made without Megatron's spawned manager process (see `ensure_write_results_queue`).
 """
 
 from __future__ import annotations
@@ -15,16 +22,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import (
+    AsyncCaller,
+    AsyncCallsQueue,
+    AsyncRequest,
+)
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 STATE_FILE = "engine_state.json"
 DIST_DIR = "dist"
@@ -71,15 +90,196 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-class SaveQueue:
-    """Background saves in flight, over Megatron's `AsyncCallsQueue`; methods are collective."""
+def ensure_write_results_queue(*, cross_process: bool) -> None:
+    """Give dist_checkpointing's writers their results queue (Megatron's `_results_queue`).
+
+    Megatron-core makes it on first use with a *spawn* `multiprocessing.Manager`: a fresh
+    interpreter that re-imports the main module (torch, megatron), which held the first save
+    of a process for 1-4 s. Writer threads and blocking saves put their results from this
+    process, so an in-process queue serves them. A forked writer process needs a
+    `cross_process` queue, served here by a forked manager (milliseconds, but its process
+    shares the trainer's pages copy-on-write from then on).
+    """
+    current = getattr(filesystem_async, "_results_queue", None)
+    if current is not None and not (cross_process and isinstance(current, queue.Queue)):
+        return
+    if current is not None and not current.empty():
+        raise RuntimeError(
+            "cannot switch dist_checkpointing's results queue to a forked writer while the "
+            "results of a save are still unread: finalize pending saves first"
+        )
+    filesystem_async._results_queue = (
+        mp.get_context("fork").Manager().Queue() if cross_process else queue.Queue()
+    )
+
+
+def _structure(value: Any) -> Any:
+    """What decides a save plan: nested keys, shard keys, shapes, offsets, dtypes, replicas."""
+    if isinstance(value, dict):
+        return tuple((key, _structure(item)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return tuple(_structure(item) for item in value)
+    if isinstance(value, ShardedBase):
+        data = getattr(value, "data", None)
+        local = (tuple(data.shape), str(data.dtype)) if isinstance(data, torch.Tensor) else None
+        fields = (
+            "key",
+            "global_shape",
+            "global_offset",
+            "axis_fragmentations",
+            "replica_id",
+            "prepend_axis_num",
+            "flattened_range",
+        )
+        return (type(value).__name__, local, *(repr(getattr(value, f, None)) for f in fields))
+    return type(value).__name__
+
+
+class SavePlanCache:
+    """The save strategy of this process, reused while the state's structure stays the same.
+
+    A new structure (or the first save) gets a fresh strategy and Megatron's sharding
+    validation; later saves of the same structure reuse the strategy's cached save plans and
+    skip the validation. Ranks agree on the decision (one all-reduce), since both are
+    collective.
+    """
 
     def __init__(self) -> None:
-        self._calls = AsyncCallsQueue()
+        self._strategy: TorchDistSaveShardedStrategy | None = None
+        self._structure: Any = None
+
+    def strategy_for(
+        self, sharded_state_dict: dict[str, Any]
+    ) -> tuple[TorchDistSaveShardedStrategy, bool]:
+        """(strategy, whether to validate sharding) for saving `sharded_state_dict`."""
+        structure = _structure(sharded_state_dict)
+        changed = torch.tensor(
+            [int(self._strategy is None or structure != self._structure)],
+            device=torch.cuda.current_device(),  # the CPU layer maps it to CPU without CUDA
+        )
+        dist.all_reduce(changed)
+        if int(changed.item()) == 0:
+            assert self._strategy is not None
+            return self._strategy, False
+        self._strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        self._structure = structure
+        return self._strategy, True
+
+
+_PLANS = SavePlanCache()  # one per process, like Megatron's parallel state
+
+
+def _clone_buckets(buckets: list[Any]) -> list[Any]:
+    """The writer's buckets with private copies of their tensors (a snapshot)."""
+    return [
+        (path, key, (byte_items, [(item, tensor.clone()) for item, tensor in tensor_items]))
+        for path, key, (byte_items, tensor_items) in buckets
+    ]
+
+
+def _write_buckets(transforms: list[Any], buckets: list[Any], results: Any) -> None:
+    """Write every bucket file (fsynced) in this thread; put {index: results} or an error."""
+    local: queue.Queue = queue.Queue()
+    count: queue.Queue = queue.Queue()
+    write = FileSystemWriterAsync.write_preloaded_data
+    outcome: dict[int, Any] | Exception = {}
+    try:
+        for index, bucket in enumerate(buckets):
+            count.put(index)
+            write(transforms, index, bucket, local, count, True)
+            _, written = local.get()
+            if isinstance(written, Exception):
+                outcome = written
+                break
+            outcome[index] = written
+    except Exception as err:
+        outcome = err
+    results.put(outcome)
+
+
+class ThreadAsyncCaller(AsyncCaller):
+    """Runs dist_checkpointing's file writes on a writer thread of this process, from a snapshot.
+
+    For a model in host memory (CPU training) this is cheaper for the train loop than
+    Megatron's forked writer: after a fork, copy-on-write makes the next steps copy every page
+    they touch (about 0.1 s per 100 MiB here), while the snapshot is one copy of the tensors to
+    write. Writes run one save at a time in order (`writer`, one worker), so each save's
+    results reach the shared results queue in the order they are finalized. Otherwise as
+    `TemporalAsyncCaller`: every rank must agree that the write is done.
+    """
+
+    def __init__(self, writer: ThreadPoolExecutor) -> None:
+        self._writer = writer
+        self._write: Future[None] | None = None
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Snapshot the tensors to write and queue the write on the writer thread."""
+        if async_req.async_fn is None:
+            return
+        write_fn = async_req.async_fn
+        if not (
+            isinstance(write_fn, partial)
+            and write_fn.func is FileSystemWriterAsync.write_preloaded_data_multiproc
+            and not write_fn.args[1]  # use_msc
+        ):
+            raise TypeError(f"ThreadAsyncCaller cannot run {write_fn!r}")
+        _, buckets, results = async_req.async_fn_args
+        snapshot = _clone_buckets(buckets)
+        self._write = self._writer.submit(_write_buckets, write_fn.args[0], snapshot, results)
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """Whether the write finished on every rank (waits for it when `blocking`)."""
+        is_alive = int(self._write is not None and not self._write.done())
+        is_done = not is_alive if no_dist else self.sync_all_async_calls(is_alive)
+        if is_done or blocking:
+            self.close()
+            is_done = True
+        return is_done
+
+    def close(self, abort: bool = False) -> None:
+        """Wait for the write (it is never aborted: the snapshot is written or fails)."""
+        if self._write is not None:
+            self._write.result()
+            self._write = None
+
+    def __del__(self) -> None:  # AsyncCaller's raises NotImplementedError
+        pass
+
+
+class _ThreadCallsQueue(AsyncCallsQueue):
+    """`AsyncCallsQueue` whose calls run on one writer thread (`ThreadAsyncCaller`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+
+    def _get_async_caller(self) -> AsyncCaller:
+        return ThreadAsyncCaller(self._writer)
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize every call, then stop the writer thread."""
+        super().close(abort=abort)
+        self._writer.shutdown(wait=True)
+
+
+class SaveQueue:
+    """Background saves in flight, over Megatron's `AsyncCallsQueue`; methods are collective.
+
+    `writer` is `"fork"` (Megatron's forked writer process; the default with CUDA, where the
+    tensors are staged from the device) or `"thread"` (a snapshot written by a thread of this
+    process; the default on CPU). None picks the default.
+    """
+
+    def __init__(self, writer: str | None = None) -> None:
+        writer = writer or ("fork" if torch.cuda.is_available() else "thread")
+        if writer not in ("fork", "thread"):
+            raise ValueError(f"SaveQueue writer must be 'fork' or 'thread', got {writer!r}")
+        self.writer = writer
+        self._calls = AsyncCallsQueue() if writer == "fork" else _ThreadCallsQueue()
         self._finalized: set[int] = set()
 
     def schedule(self, request: Any) -> int:
-        """Start writing `request` in a background process; its call index."""
+        """Start writing `request` in the background; its call index."""
         return self._calls.schedule_async_request(request)
 
     def finalize(self, *, blocking: bool) -> None:
@@ -146,8 +346,14 @@ def save_engine_state(
             _atomic_write(ckpt_dir / STATE_FILE, json.dumps(meta, indent=2))
         dist.barrier()
 
+    ensure_write_results_queue(cross_process=queue is not None and queue.writer == "fork")
+    strategy, validate = _PLANS.strategy_for(sharded_state_dict)
     request = dist_checkpointing.save(
-        sharded_state_dict, str(ckpt_dir / DIST_DIR), async_sharded_save=queue is not None
+        sharded_state_dict,
+        str(ckpt_dir / DIST_DIR),
+        sharded_strategy=strategy,
+        validate_access_integrity=validate,
+        async_sharded_save=queue is not None,
     )
     if queue is None:
         write_marker()
