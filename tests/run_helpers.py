@@ -27,7 +27,12 @@ TINY: dict[str, Any] = {
     },
     "algorithm": {"repeat_times": 4, "recompute_old_logprobs": True},
     "buffer": {"train_batch_size": 8},
-    "trainer": {"total_steps": 6, "save_interval": 2, "micro_batch_size": 4},
+    "trainer": {
+        "total_steps": 6,
+        "save_interval": 2,
+        "micro_batch_size": 4,
+        "sft_warmup_steps": 0,
+    },
     "service": {"idle_timeout_s": 900, "start_timeout_s": 240, "request_timeout_s": 600},
     "dagster": {"sensor_interval_s": 1},
 }

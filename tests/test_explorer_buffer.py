@@ -35,6 +35,7 @@ def test_rows_are_accepted_by_the_writer_and_read_back(tmp_path: Path) -> None:
             "run_root": str(tmp_path / "run"),
             "algorithm.repeat_times": 4,
             "explorer.tasks_per_step": 3,
+            "buffer.train_batch_size": 32,
         },
     )
     paths = RunPaths.of(cfg.run_root)

@@ -21,7 +21,13 @@ from trinity_dagster.explorer.policy import load_policy
 from trinity_dagster.explorer.rewards import exact_match
 from trinity_dagster.paths import RunPaths
 
-SETTINGS = {"algorithm.repeat_times": 4, "explorer.tasks_per_step": 5}
+# the arithmetic set: its prompts differ in length, so left padding is exercised
+SETTINGS = {
+    "algorithm.repeat_times": 4,
+    "explorer.tasks_per_step": 5,
+    "explorer.taskset": "arithmetic",
+    "explorer.eval_taskset": "arithmetic_eval",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")

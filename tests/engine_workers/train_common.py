@@ -48,7 +48,14 @@ def make_config(tmp: Path, **overrides: Any) -> TrinityConfig:
         },
         "algorithm": {"repeat_times": 4, "clip_range_low": 0.2, "clip_range_high": 0.28},
         "buffer": {"train_batch_size": 8},
-        "trainer": {"micro_batch_size": 2, "seed": 7, "total_steps": 10, "optim": {"lr": 1e-2}},
+        "trainer": {
+            "micro_batch_size": 2,
+            "seed": 7,
+            "total_steps": 10,
+            "sft_warmup_steps": 0,  # RL from step 1; tests that need SFT steps ask for them
+            "sft_lr": None,
+            "optim": {"lr": 1e-2},
+        },
     }
     for dotted, value in overrides.items():
         node = data
