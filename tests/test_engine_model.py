@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
@@ -31,9 +35,11 @@ from trinity_dagster.engine.hf_weights import _full_hf, _local_shard, _qkv_inter
 from trinity_dagster.engine.model import (
     UnsupportedModelError,
     causal_attention_mask,
+    local_layer_spec,
     padded_vocab_size,
     transformer_config_from_hf,
 )
+from trinity_dagster.engine.sdpa_attention import SDPAttention
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "engine_workers"
@@ -258,6 +264,63 @@ def test_init_distributed_checks_world_size_and_reinitializes_cleanly() -> None:
     assert out["infos"] == [[0, 1, 1, backend], [0, 1, 1, backend]]
 
 
+def test_unpadded_logits_use_the_causal_fast_path_and_match_transformers(
+    hf_cases: Path, tmp_path: Path
+) -> None:
+    """No padding: local_logits passes no mask, SDPAttention applies causality itself.
+
+    Also: GPTModel returns the output layer's batch-first logits without copying them.
+    """
+    hf_dir, out = hf_cases / "llama_untied" / "hf", tmp_path / "logits.pt"
+    code = textwrap.dedent(
+        f"""
+        import json, sys, torch
+        from trinity_dagster.config import MegatronConfig
+        from trinity_dagster.engine.hf_weights import load_hf_into_model
+        from trinity_dagster.engine.model import build_gpt_model, model_logits
+        from trinity_dagster.engine.parallel import destroy_distributed, init_distributed
+        cfg = MegatronConfig()
+        init_distributed(cfg, seed=0)
+        hf_config = json.loads(open({str(hf_dir / "config.json")!r}).read())
+        model = build_gpt_model(hf_config, cfg)
+        load_hf_into_model(model, {str(hf_dir)!r})
+        model.eval()
+        tokens = torch.randint(0, hf_config["vocab_size"], (2, 9))
+        with torch.no_grad():
+            logits = [model_logits(model, tokens, m) for m in (None, torch.ones(2, 9))]
+        core = type(model.decoder.layers[0].self_attention.core_attention).__name__
+        seen = []
+        model.output_layer.register_forward_hook(lambda m, i, o: seen.append(o[0]))
+        with torch.no_grad():
+            out = model(input_ids=tokens, position_ids=torch.arange(9).expand(2, 9),
+                        attention_mask=None)
+        no_copy = out.data_ptr() == seen[0].data_ptr() and out.shape == (2, 9, 50)
+        torch.save({{"tokens": tokens, "logits": logits, "core": core, "no_copy": no_copy}},
+                   {str(out)!r})
+        destroy_distributed()
+        """
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    saved = torch.load(out)
+    assert saved["core"] == "SDPAttention"
+    assert saved["no_copy"], "GPTModel copied the logits (batch-first output layer not active)"
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        ref = hf_model(input_ids=saved["tokens"]).logits
+    no_mask, all_ones = saved["logits"]
+    assert torch.equal(no_mask, all_ones)
+    diff = (no_mask - ref).abs().max().item()
+    assert diff < 1e-4, f"max abs logit diff {diff}"
+
+
 # ------------------------------------------------------------ pure layout and config checks
 
 
@@ -341,3 +404,111 @@ def test_vocab_layout_pads_rows_and_strips_them() -> None:
     shards = [_local_shard(slot, [emb], {}, tp=2, rank=r) for r in range(2)]
     assert shards[1].squeeze(1).tolist() == [103, 104, 0]
     assert torch.equal(_full_hf(slot, shards, {}, vocab=5)[0], emb)
+
+
+# ------------------------------------------------------------ SDPA core attention
+
+
+class _GroupOfSize:
+    """Stands in for a tensor-parallel process group; SDPAttention only asks its size."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def _sdpa(tp: int = 1, softmax_type: str = "vanilla") -> SDPAttention:
+    """SDPAttention for the tiny config (4 heads, 2 KV groups, head dim 16) on a TP of `tp`."""
+    config = transformer_config_from_hf(_hf_cfg(model_type="llama"), MegatronConfig())
+    config.softmax_type = softmax_type
+    groups = ProcessGroupCollection()
+    groups.tp = _GroupOfSize(tp)
+    return SDPAttention(
+        config=config,
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        pg_collection=groups,
+    )
+
+
+def _attention_by_hand(q, k, v, masked: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) with masked scores at -inf) v, GQA by repeating K/V heads.
+
+    q [s, b, np, d], k/v [s, b, ng, d], masked [b, 1, s, s] (True = masked) -> [s, b, np * d].
+    """
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+    out = probs @ v
+    return out.permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+def test_sdpa_attention_matches_hand_formula_and_its_gradients(tp: int, padded: bool) -> None:
+    attention = _sdpa(tp).train()
+    seq, batch, heads, groups, dim = 7, 3, 4 // tp, 2 // tp, 16
+    gen = torch.Generator().manual_seed(tp)
+    inputs = [torch.randn(seq, batch, n, dim, generator=gen) for n in (heads, groups, groups)]
+    padding = torch.ones(batch, seq, dtype=torch.bool)
+    padding[1, 4:] = False
+    padding[2, 6:] = False
+    masked = causal_attention_mask(batch, seq, padding if padded else None)
+    results = []
+    for fn, mask in ((attention, masked if padded else None), (_attention_by_hand, masked)):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves, mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    assert results[0][0].shape == (seq, batch, heads * dim)
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_attention_gives_zeros_for_a_fully_masked_row() -> None:
+    attention = _sdpa()
+    q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
+    masked = causal_attention_mask(1, 3, torch.tensor([[0, 1, 1]]))  # row 0 sees no key
+    q.requires_grad_()
+    out = attention(q, k, v, masked)
+    out.sum().backward()
+    assert torch.equal(out[0], torch.zeros(1, 64))
+    torch.testing.assert_close(out[1:], _attention_by_hand(q, k, v, masked)[1:])
+    assert torch.isfinite(q.grad).all()
+
+
+def test_sdpa_attention_rejects_bad_input() -> None:
+    attention = _sdpa(tp=2)
+    q, kv = torch.randn(5, 1, 2, 16), torch.randn(5, 1, 1, 16)
+    mask = causal_attention_mask(1, 5)
+    with pytest.raises(ValueError, match="query has 4 heads, expected 2 per tensor-parallel"):
+        attention(torch.randn(5, 1, 4, 16), kv, kv, mask)
+    with pytest.raises(ValueError, match="value has 2 heads, expected 1 per tensor-parallel"):
+        attention(q, kv, torch.randn(5, 1, 2, 16), mask)
+    with pytest.raises(ValueError, match="attention_mask must be boolean"):
+        attention(q, kv, kv, mask.float())
+    with pytest.raises(ValueError, match=r"attention_mask shape \(1, 1, 4, 4\) is not"):
+        attention(q, kv, kv, causal_attention_mask(1, 4))
+    with pytest.raises(ValueError, match="packed sequences"):
+        attention(q, kv, kv, mask, packed_seq_params=PackedSeqParams())
+    with pytest.raises(ValueError, match="attention_bias is not supported"):
+        attention(q, kv, kv, mask, attention_bias=torch.zeros(1, 2, 5, 5))
+    with pytest.raises(ValueError, match=r"\(layer 1\): softmax_type 'learnable' is not"):
+        _sdpa(softmax_type="learnable")
+
+
+def test_local_layer_spec_swaps_only_the_core_attention() -> None:
+    spec, stock = local_layer_spec(), get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention, stock_attention = spec.submodules.self_attention, stock.submodules.self_attention
+    assert attention.submodules.core_attention is SDPAttention
+    assert stock_attention.submodules.core_attention is not SDPAttention
+    assert attention.module is stock_attention.module
+    for name in ("linear_qkv", "linear_proj", "q_layernorm", "k_layernorm"):
+        assert getattr(attention.submodules, name) == getattr(stock_attention.submodules, name)
+    for name in ("input_layernorm", "pre_mlp_layernorm", "mlp"):
+        assert getattr(spec.submodules, name) == getattr(stock.submodules, name)

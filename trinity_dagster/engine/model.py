@@ -10,6 +10,7 @@ embedding and output layer hold zeros, and the logit functions here mask or stri
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,10 +21,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from trinity_dagster.config import MegatronConfig
 from trinity_dagster.engine.cpu_compat import cpu_compat_active
+from trinity_dagster.engine.sdpa_attention import SDPAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _PADDED_LOGIT = -1.0e30
@@ -184,7 +187,7 @@ def build_gpt_model(
             )
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = local_layer_spec()
     vocab = hf_config["vocab_size"]
     model = GPTModel(
         config=config,
@@ -199,10 +202,46 @@ def build_gpt_model(
         rotary_base=rope_theta(hf_config),
     )
     model.hf_vocab_size = vocab
+    if model.post_process and not model.output_layer.sequence_parallel:
+        _make_output_layer_batch_first(model.output_layer)
     if not cpu_compat_active():
         model.cuda(torch.cuda.current_device())
     _zero_padded_vocab_rows(model, vocab)
     return model
+
+
+def local_layer_spec() -> ModuleSpec:
+    """Megatron's local RMSNorm GPT layer spec with `SDPAttention` as core attention."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(attention.submodules, core_attention=SDPAttention),
+    )
+    return dataclasses.replace(
+        spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention)
+    )
+
+
+def _make_output_layer_batch_first(output_layer: torch.nn.Module) -> None:
+    """Compute the logits batch-first, so GPTModel's `[s, b, V] -> [b, s, V]` copy vanishes.
+
+    GPTModel returns `logits.transpose(0, 1).contiguous()`; copying the (large) logits there
+    and back in the backward pass costs more than transposing the hidden states. The hooks
+    feed the output layer `[b, s, h]` and hand GPTModel an `[s, b, V]` view of the `[b, s, V]`
+    result, whose transpose is already contiguous. Needs no sequence parallelism (the output
+    layer would gather the sequence along dim 0).
+    """
+
+    def to_batch_first(_module, args, kwargs):
+        return (args[0].transpose(0, 1).contiguous(), *args[1:]), kwargs
+
+    def to_sequence_first_view(_module, _args, _kwargs, output):
+        logits, bias = output
+        return logits.transpose(0, 1), bias
+
+    output_layer.register_forward_pre_hook(to_batch_first, with_kwargs=True)
+    output_layer.register_forward_hook(to_sequence_first_view, with_kwargs=True)
 
 
 def _zero_padded_vocab_rows(model: GPTModel, vocab: int) -> None:
@@ -275,11 +314,17 @@ def local_logits(
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     batch, seq = tokens.shape
+    if attention_mask is not None and attention_mask.shape != (batch, seq):
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != tokens shape {(batch, seq)}"
+        )
     gpt = unwrap_model(model)
     device = next(gpt.parameters()).device
     tokens = tokens.to(device)
     positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
-    mask = causal_attention_mask(batch, seq, attention_mask, device=device)
+    mask = None  # no padding: the core attention applies the causal mask itself (fast path)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        mask = causal_attention_mask(batch, seq, attention_mask, device=device)
     logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
     start, end = _vocab_range(gpt)
     if end > hf_vocab_size(gpt):
