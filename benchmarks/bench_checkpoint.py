@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,39 +34,11 @@ from typing import Any
 
 import torch
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-def make_hf_dir(path: Path, args: argparse.Namespace) -> None:
-    """A random Llama of the benchmark's size, saved with transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * args.seq,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
-
-
-def make_batch(gen: torch.Generator, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """Full-length rows, half prompt and half response, one GRPO group of 4."""
-    rows, seq = 4, args.seq
-    response = torch.zeros(rows, seq, dtype=torch.bool)
-    response[:, seq // 2 :] = True
-    old = torch.where(response, -torch.rand(rows, seq, generator=gen) - 8.5, torch.zeros(()))
-    return {
-        "tokens": torch.randint(0, args.vocab, (rows, seq), generator=gen),
-        "attention_mask": torch.ones(rows, seq, dtype=torch.bool),
-        "response_mask": response,
-        "old_logprobs": old,
-        "rewards": torch.rand(rows, generator=gen),
-        "group_index": torch.zeros(rows, dtype=torch.int64),
-    }
+from benchmarks.synthetic import grpo_batch, make_llama_dir  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -84,7 +57,15 @@ class Loop:
         from trinity_dagster.engine.engine import TrainEngine
         from trinity_dagster.paths import RunPaths
 
-        make_hf_dir(root / "hf", args)
+        make_llama_dir(
+            root / "hf",
+            vocab=args.vocab,
+            hidden=args.hidden,
+            ffn=4 * args.hidden,
+            layers=args.layers,
+            heads=4,
+            seq=args.seq,
+        )
         config = config_from_dict(
             {
                 "run_root": str(root / "run"),
@@ -113,7 +94,7 @@ class Loop:
 
     def step(self) -> float:
         """Train the next step and poll the manager; wall seconds (poll time adds to poll_s)."""
-        batch = make_batch(self._gen, self.args)
+        batch = grpo_batch(self._gen, rows=4, seq=self.args.seq, vocab=self.args.vocab)
         started = time.perf_counter()
         self.engine.train_step(self.engine.step + 1, batch)
         polled = time.perf_counter()

@@ -11,46 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-def make_hf_dir(path: Path, args: argparse.Namespace) -> None:
-    """A random Llama of the benchmark's size, saved with transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads // 2,
-        max_position_embeddings=2 * args.seq,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
-
-
-def make_batch(seed: int, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """Full-length rows: half prompt, half response, groups of 4, plausible old log-probs."""
-    gen = torch.Generator().manual_seed(seed)
-    rows, seq = args.batch, args.seq
-    response = torch.zeros(rows, seq, dtype=torch.bool)
-    response[:, seq // 2 :] = True
-    old = torch.where(response, -torch.rand(rows, seq, generator=gen) - 8.5, torch.zeros(()))
-    return {
-        "tokens": torch.randint(0, args.vocab, (rows, seq), generator=gen),
-        "attention_mask": torch.ones(rows, seq, dtype=torch.bool),
-        "response_mask": response,
-        "old_logprobs": old,
-        "rewards": torch.rand(rows, generator=gen),
-        "group_index": torch.arange(rows) // 4,
-    }
+from benchmarks.synthetic import grpo_batch, make_llama_dir  # noqa: E402
 
 
 def build_engine(hf_dir: Path, args: argparse.Namespace):
@@ -130,7 +102,15 @@ def main() -> None:
     torch_times: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         hf_dir = Path(tmp) / "hf"
-        make_hf_dir(hf_dir, args)
+        make_llama_dir(
+            hf_dir,
+            vocab=args.vocab,
+            hidden=args.hidden,
+            ffn=args.ffn,
+            layers=args.layers,
+            heads=args.heads,
+            seq=args.seq,
+        )
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM.from_pretrained(hf_dir).float().train()
@@ -139,7 +119,12 @@ def main() -> None:
         try:
             # Alternate the two so that load from other processes hits both alike.
             for step in range(1, args.warmup + args.steps + 1):
-                batch = make_batch(step, args)
+                batch = grpo_batch(
+                    torch.Generator().manual_seed(step),
+                    rows=args.batch,
+                    seq=args.seq,
+                    vocab=args.vocab,
+                )
                 engine_s = timed(lambda b=batch, n=step: engine.train_step(n, b))
                 torch_s = timed(lambda b=batch: torch_step(model, optimizer, b, args.micro_batch))
                 if step > args.warmup:

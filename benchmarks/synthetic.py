@@ -1,0 +1,43 @@
+"""Random models and GRPO batches for the benchmarks (no downloads, fixed seeds)."""
+
+from pathlib import Path
+
+import torch
+
+
+def make_llama_dir(
+    path: Path, *, vocab: int, hidden: int, ffn: int, layers: int, heads: int, seq: int
+) -> None:
+    """A random Llama (grouped-query: heads // 2 key/value heads), saved with transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=2 * seq,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).float().save_pretrained(path, safe_serialization=True)
+
+
+def grpo_batch(
+    gen: torch.Generator, *, rows: int, seq: int, vocab: int, group: int = 4
+) -> dict[str, torch.Tensor]:
+    """Full-length rows, half prompt and half response, GRPO groups of `group` rows, with
+    plausible old log-probs: the tensors `buffer.reader.to_tensors` gives the engine."""
+    response = torch.zeros(rows, seq, dtype=torch.bool)
+    response[:, seq // 2 :] = True
+    old = torch.where(response, -torch.rand(rows, seq, generator=gen) - 8.5, torch.zeros(()))
+    return {
+        "tokens": torch.randint(0, vocab, (rows, seq), generator=gen),
+        "attention_mask": torch.ones(rows, seq, dtype=torch.bool),
+        "response_mask": response,
+        "old_logprobs": old,
+        "rewards": torch.rand(rows, generator=gen),
+        "group_index": torch.arange(rows) // group,
+    }
