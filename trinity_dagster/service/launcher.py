@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,18 +81,17 @@ def _kill_service(state: ServiceState) -> None:
 
 
 def _kill_group(pgid: int) -> None:
+    """SIGTERM the process group whose leader is `pgid`, then SIGKILL it if it stays."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
+        while pid_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
+        if not pid_alive(pgid):
+            return
 
 
 @contextlib.contextmanager
@@ -144,6 +144,8 @@ def start_service(config: TrinityConfig) -> ServiceState:
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+        # reap the agent when it exits, so this process never keeps a zombie around
+        threading.Thread(target=process.wait, daemon=True).start()
         return _wait_until_up(paths, process, config.service.start_timeout_s, log, offset)
 
 
