@@ -35,6 +35,9 @@ class EngineResource(dg.ConfigurableResource):
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         """Close the run's client."""
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -52,7 +55,7 @@ class EngineResource(dg.ConfigurableResource):
                 raise
         # the service died mid-command: start it again (it resumes from the newest complete
         # checkpoint) and repeat the command once
-        self.teardown_after_execution(None)  # type: ignore[arg-type]
+        self._disconnect()
         return call(self._connected(autostart=True))
 
     def status(self) -> dict[str, Any]:
