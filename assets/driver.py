@@ -140,7 +140,9 @@ def materialize_step(
     """Run one job of the graph for one step (its partition is added first)."""
     key = step_key(step)
     instance.add_dynamic_partitions(step_partitions.name, [key])
-    return defs.resolve_job_def(job_name).execute_in_process(instance=instance, partition_key=key)
+    return defs.resolve_job_def(job_name).execute_in_process(
+        run_config=QUIET_CONSOLE, instance=instance, partition_key=key
+    )
 
 
 def rollout_rewards(instance: dg.DagsterInstance) -> list[tuple[int, float, bool]]:
