@@ -3,43 +3,34 @@
 import dagster as dg
 
 from assets.experiences import experience_schema, experiences
-from assets.explore import evaluate_newest_checkpoint, evaluation, rollouts, rollouts_sensor
-from assets.jobs import (
-    evaluation_job,
-    rollouts_job,
-    save_job,
-    save_with_hf_job,
-    sync_job,
-    train_job,
-)
+from assets.explore import evaluate_newest_checkpoint, evaluation, rollouts
+from assets.jobs import evaluation_job, rollouts_job, save_job, train_job
 from assets.maintenance import (
     checkpoint_retention_job,
     checkpoint_retention_schedule,
     delta_maintenance_job,
     delta_maintenance_schedule,
 )
-from assets.sensors import data_sensor, save_sensor, sync_sensor
+from assets.sensors import checkpoint_sensor, evaluation_sensor, explorer_sensor, trainer_sensor
 from assets.training import train
-from assets.weights import save, sync
+from assets.weights import save
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource, config_path_from_env
 
 run_config = RunConfigResource(config_path=config_path_from_env())
 
 defs = dg.Definitions(
-    assets=[experiences, rollouts, train, save, sync, evaluation],
+    assets=[experiences, rollouts, train, save, evaluation],
     asset_checks=[experience_schema],
     jobs=[
         rollouts_job,
         evaluation_job,
         train_job,
-        sync_job,
         save_job,
-        save_with_hf_job,
         delta_maintenance_job,
         checkpoint_retention_job,
     ],
-    sensors=[rollouts_sensor, data_sensor, sync_sensor, save_sensor],
+    sensors=[trainer_sensor, explorer_sensor, checkpoint_sensor, evaluation_sensor],
     schedules=[
         delta_maintenance_schedule,
         checkpoint_retention_schedule,

@@ -1,22 +1,23 @@
 """The built-in explorer in the graph: `rollouts` per explore step and `evaluation` per step.
 
-`rollouts[E]` generates experiences with the newest published weights (at least the version
-explore step E may use, DESIGN §5 `sync_offset`) and appends them to the `experiences` table;
-its metadata records the weights version, so lineage shows which weights produced which
-experiences. During the SFT warm-up (`trainer.sft_warmup_steps`) it writes demonstrations.
+A run of `rollouts` over explore steps a..b runs the built-in explorer loop
+(`trinity_dagster.explorer.loop`): it waits for the weights each step may use, generates
+experiences, appends them to the `experiences` table and logs `rollouts[E]` with the weights
+version, so lineage shows which weights produced which experiences. During the SFT warm-up
+(`trainer.sft_warmup_steps`) it writes demonstrations. A retried run skips recorded steps.
 `evaluation[N]` scores weights version N on the held-out task set with greedy decoding.
 The explorer (torch, transformers) is imported inside the assets, never at load time.
 """
 
-from statistics import fmean
+from collections.abc import Iterator
 
 import dagster as dg
 
-from assets.jobs import evaluation_job, rollouts_job
+from assets.jobs import evaluation_job
 from assets.partitions import step_key, step_of, step_partitions
+from assets.steps import run_steps, step_materialization
 from resources.run_config import RunConfigResource, load_run_config
-from trinity_dagster.checkpoint.layout import latest_checkpoint_step, latest_weights_version
-from trinity_dagster.checkpoint.rules import explorer_weights_version
+from trinity_dagster.checkpoint.layout import latest_checkpoint_step
 
 ROLLOUTS = "rollouts"
 EVALUATION = "evaluation"
@@ -24,61 +25,36 @@ EVALUATION = "evaluation"
 _config = load_run_config()
 
 
-def required_version(run_config: RunConfigResource, explore_step: int) -> int:
-    """The oldest weights version explore step E may run with."""
-    sync = run_config.config.synchronizer
-    return explorer_weights_version(
-        explore_step, sync_interval=sync.sync_interval, sync_offset=sync.sync_offset
-    )
-
-
-@dg.asset(
-    name=ROLLOUTS,
-    partitions_def=step_partitions,
-    group_name="experience",
-    kinds={"transformers", "deltalake"},
-    description="Experiences of explore step E, written to `experiences` (weights version v).",
+@dg.multi_asset(
+    name="explore",
+    specs=[
+        dg.AssetSpec(
+            ROLLOUTS,
+            skippable=True,
+            partitions_def=step_partitions,
+            group_name="experience",
+            kinds={"transformers", "deltalake"},
+            description="Experiences of explore step E, written to `experiences` (weights v).",
+        )
+    ],
+    backfill_policy=dg.BackfillPolicy.single_run(),
 )
 def rollouts(
     context: dg.AssetExecutionContext, run_config: RunConfigResource
-) -> dg.MaterializeResult:
-    """Explore step E (or write demonstrations during the SFT warm-up) into the buffer."""
-    from trinity_dagster.buffer.writer import ExperienceWriter
-    from trinity_dagster.explorer.demonstrations import demonstration_rows
-    from trinity_dagster.explorer.explorer import Explorer
+) -> Iterator[dg.Output]:
+    """The built-in explorer loop over the run's explore steps, one model kept loaded."""
+    from trinity_dagster.explorer.loop import ExplorerLoop
 
-    config, paths = run_config.config, run_config.paths
-    step = step_of(context.partition_key)
-    version = latest_weights_version(paths) or 0
-    needed = required_version(run_config, step)
-    if version < needed:
-        raise dg.Failure(
-            f"explore step {step} needs weights version >= {needed}; the newest published "
-            f"version is {version}"
-        )
-    demonstrations = step <= config.trainer.sft_warmup_steps
-    if demonstrations:
-        rows = demonstration_rows(
-            config, config.buffer.train_batch_size, seed=step, model_version=version
-        )
-    else:
-        rows = Explorer(config, paths).explore(step, version)
-    report = ExperienceWriter(config, known_versions=lambda: set(range(version + 1))).write(rows)
-    if report.written == 0:
-        raise dg.Failure(
-            f"explore step {step}: every experience was quarantined",
-            metadata={"reasons": "; ".join(str(r) for r in report.reasons[:5])},
-        )
-    rewards = [row["reward"] for row in rows]
-    return dg.MaterializeResult(
-        metadata={
-            "weights_version": version,
-            "demonstrations": demonstrations,
-            **report.as_metadata(),
-            "reward_mean": fmean(rewards),
-            "accuracy": fmean(1.0 if r >= 1.0 else 0.0 for r in rewards),
-        }
-    )
+    def log_step(step: int, metadata: dict) -> None:
+        context.log_event(step_materialization(ROLLOUTS, step, metadata))
+
+    steps = run_steps(context)
+    done = {
+        step_of(key) for key in context.instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
+    }
+    reason = ExplorerLoop(run_config.config, on_step=log_step).run(steps[0], steps[-1], done)
+    context.log.info(f"explorer loop stopped: {reason}")
+    yield from ()  # each step was logged as it finished; there is no output at the end
 
 
 @dg.asset(
@@ -98,40 +74,6 @@ def evaluation(
     version = step_of(context.partition_key)
     metrics = evaluate(run_config.config, run_config.paths, version)
     return dg.MaterializeResult(metadata={**metrics, "weights_version": version})
-
-
-@dg.sensor(
-    name="rollouts_sensor",
-    job=rollouts_job,
-    minimum_interval_seconds=_config.dagster.sensor_interval_s,
-    default_status=(
-        dg.DefaultSensorStatus.RUNNING
-        if _config.dagster.sensors_running and _config.dagster.builtin_explorer
-        else dg.DefaultSensorStatus.STOPPED
-    ),
-    description="Weights for explore step E are published -> rollouts[E].",
-)
-def rollouts_sensor(
-    context: dg.SensorEvaluationContext, run_config: RunConfigResource
-) -> dg.SensorResult | dg.SkipReason:
-    """Request explore step E once the previous one finished and its weights exist."""
-    requested = int(context.cursor or 0)
-    done = context.instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
-    if requested and step_key(requested) not in done:
-        return dg.SkipReason(f"waiting for rollouts {step_key(requested)}")
-    step = requested + 1
-    if step > run_config.config.trainer.total_steps:
-        return dg.SkipReason("every explore step is done")
-    version = latest_weights_version(run_config.paths) or 0
-    needed = required_version(run_config, step)
-    if version < needed:
-        return dg.SkipReason(f"explore step {step} waits for weights version {needed}")
-    key = step_key(step)
-    return dg.SensorResult(
-        run_requests=[dg.RunRequest(run_key=f"rollouts-{key}", partition_key=key)],
-        dynamic_partitions_requests=[step_partitions.build_add_request([key])],
-        cursor=str(step),
-    )
 
 
 @dg.schedule(

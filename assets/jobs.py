@@ -1,34 +1,29 @@
-"""Jobs over the step-partitioned assets: train, sync, save."""
+"""Jobs over the step-partitioned assets. Each runs its ops in the run's own process
+(`in_process_executor`): a long-lived loop needs no second process per step."""
 
 import dagster as dg
 
 train_job = dg.define_asset_job(
     "train_job",
-    selection=["experience_batch", "train_step"],
-    description="Pin step N's experiences and train step N.",
-)
-sync_job = dg.define_asset_job(
-    "sync_job",
-    selection=["synced_weights"],
-    description="Publish (or record) the weights of step N for explorers.",
+    selection=["experience_batch", "train_step", "synced_weights"],
+    executor_def=dg.in_process_executor,
+    description="The trainer loop over a range of steps: pin, train, sync and save as due.",
 )
 save_job = dg.define_asset_job(
     "save_job",
-    selection=["checkpoint"],
-    description="Write (or record) the full checkpoint of step N.",
-)
-save_with_hf_job = dg.define_asset_job(
-    "save_with_hf_job",
     selection=["checkpoint", "hf_model"],
+    executor_def=dg.in_process_executor,
     description="Write (or record) the full checkpoint of step N and its HF export.",
 )
 rollouts_job = dg.define_asset_job(
     "rollouts_job",
     selection=["rollouts"],
-    description="Explore step E with the built-in explorer.",
+    executor_def=dg.in_process_executor,
+    description="The built-in explorer loop over a range of explore steps.",
 )
 evaluation_job = dg.define_asset_job(
     "evaluation_job",
     selection=["evaluation"],
+    executor_def=dg.in_process_executor,
     description="Evaluate weights version N on the held-out task set.",
 )

@@ -1,16 +1,39 @@
-"""Sensors that drive training: data -> train, trained -> sync, trained -> save.
+"""Sensors that keep the RFT loop going and record what happens in the background.
 
-Each keeps a cursor and gives every run request a run key, so a tick never launches the
-same work twice, even after a restart of the daemon or the sensor.
+- `trainer_sensor`: while training is not finished, keeps one long-lived `train_job` run
+  over steps next..total_steps (the trainer loop, waiting for data itself);
+- `explorer_sensor`: likewise one `rollouts_job` run of the built-in explorer loop;
+- `checkpoint_sensor`: records `checkpoint[N]`, `hf_model[N]` (and `synced_weights[N]`
+  when the checkpoint's export serves as the sync) the moment a background save's manifest
+  lands, without a run, holding no pool slot;
+- `evaluation_sensor`: evaluates the initial weights, and the newest weights once training
+  finished.
+A run killed with its worker is retried by Dagster's run retries (see
+`trinity_dagster.dagster_instance`); a run that failed on an error is not relaunched: the
+sensors then say why they wait. Run keys make every request unique.
 """
+
+from collections.abc import Sequence
 
 import dagster as dg
 
-from assets.jobs import save_job, save_with_hf_job, sync_job, train_job
+from assets.explore import EVALUATION, ROLLOUTS
+from assets.jobs import evaluation_job, rollouts_job, train_job
 from assets.partitions import step_key, step_of, step_partitions
-from assets.training import TRAIN
+from assets.training import SYNCED, TRAIN
+from assets.weights import CHECKPOINT, HF_MODEL, checkpoint_metadata, hf_metadata
 from resources.run_config import RunConfigResource, load_run_config
-from trinity_dagster.buffer.stats import unconsumed_count
+from trinity_dagster.buffer.end_of_data import end_of_data
+from trinity_dagster.checkpoint.layout import (
+    HF_SUBDIR,
+    checkpoint_dir,
+    latest_weights_version,
+    published_weights_dir,
+    scan_step_dirs,
+)
+from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
+from trinity_dagster.checkpoint.rules import explore_steps_needed
+from trinity_dagster.trainer.run_state import TrainerState, read_trainer_state
 
 _config = load_run_config()
 _STATUS = (
@@ -19,97 +42,217 @@ _STATUS = (
     else dg.DefaultSensorStatus.STOPPED
 )
 _INTERVAL = _config.dagster.sensor_interval_s
+RANGE_START = "dagster/asset_partition_range_start"
+RANGE_END = "dagster/asset_partition_range_end"
+WILL_RETRY = "dagster/will_retry"
+BUSY = (
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+)
 
 
-def newest_trained_step(instance: dg.DagsterInstance) -> int:
-    """The highest step whose `train_step` partition is materialised (0 if none)."""
-    keys = instance.get_materialized_partitions(dg.AssetKey(TRAIN))
+def newest_step(instance: dg.DagsterInstance, asset: str) -> int:
+    """The highest materialised step partition of `asset` (0 if none)."""
+    keys = instance.get_materialized_partitions(dg.AssetKey(asset))
     return max((step_of(key) for key in keys), default=0)
 
 
+def training_finished(run_config: RunConfigResource) -> TrainerState | None:
+    """The trainer's state if it finished this configuration's training."""
+    state = read_trainer_state(run_config.paths)
+    if state is not None and state.finished(run_config.config.trainer.total_steps):
+        return state
+    return None
+
+
+def why_not_launch(instance: dg.DagsterInstance, job_name: str) -> str | None:
+    """Why a new run of `job_name` must not start now (None: it may)."""
+    runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name), limit=1)
+    if not runs:
+        return None
+    last = runs[0]
+    if last.status in BUSY:
+        return f"{job_name} run {last.run_id} is {last.status.value.lower()}"
+    if last.status == dg.DagsterRunStatus.FAILURE:
+        if last.tags.get(WILL_RETRY) == "true":
+            return f"{job_name} run {last.run_id} failed and will be retried"
+        return (
+            f"{job_name} run {last.run_id} failed; see its logs, fix the cause and launch "
+            "the remaining steps again (or re-execute the run)"
+        )
+    return None
+
+
+def ranged_request(
+    job_name: str, first: int, last: int, total: int, prefix: str
+) -> dg.SensorResult:
+    """One run of job `job_name` over steps first..last, with partitions 1..total added first."""
+    keys = [step_key(step) for step in range(1, total + 1)]
+    return dg.SensorResult(
+        run_requests=[
+            dg.RunRequest(
+                run_key=f"{prefix}-{step_key(first)}-{step_key(last)}",
+                job_name=job_name,
+                tags={RANGE_START: step_key(first), RANGE_END: step_key(last)},
+            )
+        ],
+        dynamic_partitions_requests=[step_partitions.build_add_request(keys)],
+    )
+
+
 @dg.sensor(
-    name="data_sensor",
+    name="trainer_sensor",
     job=train_job,
     minimum_interval_seconds=_INTERVAL,
     default_status=_STATUS,
-    description="Enough unconsumed experiences -> add step N and pin + train it.",
+    description="Keep one trainer run (the Trainer loop) over the steps left to train.",
 )
-def data_sensor(
+def trainer_sensor(
     context: dg.SensorEvaluationContext, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Request step N once step N-1 trained and enough experiences wait in the buffer."""
-    config = run_config.config
-    requested = int(context.cursor or 0)
-    trained = newest_trained_step(context.instance)
-    if requested > trained:
-        return dg.SkipReason(f"waiting for train_step {step_key(requested)} to finish")
-    step = trained + 1
-    if step > config.trainer.total_steps:
-        return dg.SkipReason(f"all {config.trainer.total_steps} steps are trained")
-    have = unconsumed_count(config)
-    need = config.buffer.train_batch_size
-    if have < need:
-        return dg.SkipReason(f"step {step}: have {have} unconsumed experiences, need {need}")
-    key = step_key(step)
-    return dg.SensorResult(
-        run_requests=[dg.RunRequest(run_key=f"train-{key}", partition_key=key)],
-        dynamic_partitions_requests=[step_partitions.build_add_request([key])],
-        cursor=str(step),
-    )
+    """Start a trainer run over next..total_steps unless one runs or training finished."""
+    finished = training_finished(run_config)
+    if finished is not None:
+        return dg.SkipReason(f"training finished at step {finished.step}: {finished.reason}")
+    busy = why_not_launch(context.instance, train_job.name)
+    if busy is not None:
+        return dg.SkipReason(busy)
+    total = run_config.config.trainer.total_steps
+    first = newest_step(context.instance, TRAIN) + 1
+    return ranged_request(train_job.name, first, total, total, "trainer")
 
 
-def _trained_events(
-    context: dg.SensorEvaluationContext,
-) -> tuple[list[tuple[str, dict]], str | None]:
-    """New `train_step` materialisations since the cursor: (partition, metadata) pairs."""
-    result = context.instance.fetch_materializations(
-        dg.AssetKey(TRAIN), limit=200, cursor=context.cursor, ascending=True
-    )
-    events = []
-    for record in result.records:
-        materialization = record.asset_materialization
-        if materialization is None or materialization.partition is None:
+@dg.sensor(
+    name="explorer_sensor",
+    job=rollouts_job,
+    minimum_interval_seconds=_INTERVAL,
+    default_status=(
+        _STATUS if _config.dagster.builtin_explorer else dg.DefaultSensorStatus.STOPPED
+    ),
+    description="Keep one built-in explorer run over the explore steps left.",
+)
+def explorer_sensor(
+    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """Start an explorer run over next..needed unless one runs or exploring ended."""
+    ended = end_of_data(run_config.paths)
+    if ended is not None:
+        return dg.SkipReason(f"the explorers ended: {ended}")
+    finished = training_finished(run_config)
+    if finished is not None:
+        return dg.SkipReason(f"training finished at step {finished.step}")
+    busy = why_not_launch(context.instance, rollouts_job.name)
+    if busy is not None:
+        return dg.SkipReason(busy)
+    needed = explore_steps_needed(run_config.config)
+    first = newest_step(context.instance, ROLLOUTS) + 1
+    if first > needed:
+        return dg.SkipReason(f"all {needed} explore steps are done")
+    total = max(needed, run_config.config.trainer.total_steps)
+    return ranged_request(rollouts_job.name, first, needed, total, "explore")
+
+
+@dg.sensor(
+    name="checkpoint_sensor",
+    minimum_interval_seconds=_INTERVAL,
+    default_status=_STATUS,
+    description="Record checkpoints (and the weights they publish) when their manifests land.",
+)
+def checkpoint_sensor(
+    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """Materialisations of complete checkpoints not recorded yet, without a run."""
+    paths = run_config.paths
+    instance = context.instance
+    recorded = {
+        asset: instance.get_materialized_partitions(dg.AssetKey(asset))
+        for asset in (CHECKPOINT, HF_MODEL, SYNCED)
+    }
+    known = set(instance.get_dynamic_partitions(step_partitions.name))
+    published = latest_weights_version(paths) or 0
+    events: list[dg.AssetMaterialization] = []
+    for entry in scan_step_dirs(paths.checkpoints):
+        key = step_key(entry.step)
+        if entry.kind != "final" or key in recorded[CHECKPOINT] or key not in known:
             continue
-        metadata = {name: value.value for name, value in materialization.metadata.items()}
-        events.append((materialization.partition, metadata))
-    return events, result.cursor if result.records else context.cursor
+        try:
+            manifest = verify_checkpoint(entry.path, checksums=False)
+        except CorruptCheckpointError:
+            continue  # still being written, or damaged: `checkpoint_complete` says which
+        events += checkpoint_events(entry.step, manifest, recorded, published, run_config)
+    if not events:
+        return dg.SkipReason("no new complete checkpoint")
+    return dg.SensorResult(asset_events=events)
+
+
+def checkpoint_events(
+    step: int,
+    manifest,
+    recorded: dict[str, Sequence[str] | set[str]],
+    published: int,
+    run_config: RunConfigResource,
+) -> list[dg.AssetMaterialization]:
+    """`checkpoint[N]`, and `hf_model[N]` / `synced_weights[N]` where they apply."""
+    paths = run_config.paths
+    key = step_key(step)
+    ckpt = checkpoint_dir(paths, step)
+    info = {
+        "path": str(ckpt),
+        "size_bytes": sum(entry.size for entry in manifest.files),
+        "files": len(manifest.files),
+        "manifest_sha256": manifest.digest(),
+    }
+    events = [
+        dg.AssetMaterialization(CHECKPOINT, partition=key, metadata=checkpoint_metadata(info))
+    ]
+    hf_dir = ckpt / HF_SUBDIR
+    if (hf_dir / "config.json").is_file():
+        if key not in recorded[HF_MODEL]:
+            events.append(
+                dg.AssetMaterialization(HF_MODEL, partition=key, metadata=hf_metadata(hf_dir))
+            )
+        serves_as_sync = not (published_weights_dir(paths, step) / "config.json").is_file()
+        if serves_as_sync and published >= step and key not in recorded[SYNCED]:
+            events.append(
+                dg.AssetMaterialization(
+                    SYNCED,
+                    partition=key,
+                    metadata={
+                        "version": step,
+                        "path": dg.MetadataValue.path(str(hf_dir)),
+                        "size_bytes": hf_metadata(hf_dir)["size_bytes"],
+                        "from_checkpoint": True,
+                    },
+                )
+            )
+    return events
 
 
 @dg.sensor(
-    name="sync_sensor",
-    jobs=[sync_job],
+    name="evaluation_sensor",
+    job=evaluation_job,
     minimum_interval_seconds=_INTERVAL,
     default_status=_STATUS,
-    description="train_step[N] done and its weights are to be synced -> synced_weights[N].",
+    description="Evaluate the initial weights, and the newest weights when training finished.",
 )
-def sync_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-    """Request `synced_weights[N]` for each newly trained step whose plan synced it."""
-    events, cursor = _trained_events(context)
-    requests = [
-        dg.RunRequest(run_key=f"sync-{key}", partition_key=key, job_name=sync_job.name)
-        for key, metadata in events
-        if metadata.get("synced")
-    ]
-    return dg.SensorResult(run_requests=requests, cursor=cursor)
-
-
-@dg.sensor(
-    name="save_sensor",
-    jobs=[save_job, save_with_hf_job],
-    minimum_interval_seconds=_INTERVAL,
-    default_status=_STATUS,
-    description="need_save(N) or final step -> checkpoint[N] (and hf_model[N]).",
-)
-def save_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
-    """Request `checkpoint[N]` (+ `hf_model[N]`) for each newly trained step that saved."""
-    events, cursor = _trained_events(context)
-    requests = [
-        dg.RunRequest(
-            run_key=f"save-{key}",
-            partition_key=key,
-            job_name=(save_with_hf_job if metadata.get("saved_hf") else save_job).name,
-        )
-        for key, metadata in events
-        if metadata.get("saved")
-    ]
-    return dg.SensorResult(run_requests=requests, cursor=cursor)
+def evaluation_sensor(
+    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """Request `evaluation[0]` once, and `evaluation[v]` of the final weights once."""
+    published = latest_weights_version(run_config.paths)
+    if published is None:
+        return dg.SkipReason("no weights published yet")
+    done = context.instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
+    versions = [0]
+    if training_finished(run_config) is not None:
+        versions.append(published)
+    wanted = [step_key(v) for v in versions if step_key(v) not in done]
+    if not wanted:
+        return dg.SkipReason("every evaluation is done or requested")
+    return dg.SensorResult(
+        run_requests=[dg.RunRequest(run_key=f"eval-{key}", partition_key=key) for key in wanted],
+        dynamic_partitions_requests=[step_partitions.build_add_request(wanted)],
+    )

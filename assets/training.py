@@ -1,33 +1,43 @@
-"""`experience_batch` and `train_step`: pin step N's experiences, then train step N on them.
+"""`experience_batch`, `train_step` and `synced_weights`: the trainer loop as one multi-asset.
 
-Both live in one op so that a run over steps a..b pins and trains each step in turn
-(step N+1 is pinned after step N trained) and logs each step's own metadata. Either asset
-can be materialised alone. The engine enforces the order across steps; the parent step is
-recorded on `train_step`. The blocking checks `loss_is_finite` and `kl_within_bound` stop
-the sync of a bad step's weights.
+A run of `train` over steps a..b executes `Trainer.train` (trinity_dagster.trainer) up to b:
+it waits for each step's data, trains it, syncs and saves as due, and logs
+`experience_batch[N]`, `train_step[N]` (every metric) and `synced_weights[N]` as each step
+finishes, so a long-lived run over 1..total_steps shows progress step by step and a failure
+at step k leaves a..k-1 recorded. Background checkpoints are recorded by `checkpoint_sensor`
+when their manifests land. Selected alone, `experience_batch` pins and `synced_weights`
+publishes the weights of steps the engine is at.
+
+A retried run (after its worker was killed) first records the steps the engine trained
+without them being logged, then goes on from the engine's step: nothing trains twice.
 """
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
 import pyarrow.compute as pc
 
-from assets.partitions import step_partitions
+from assets.partitions import step_key, step_partitions
 from assets.steps import numeric_metadata, run_steps, step_materialization
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.buffer.reader import load_step_batch
-from trinity_dagster.buffer.sampler import NotEnoughData, pin_batch
+from trinity_dagster.buffer.sampler import NotEnoughData, PinResult, pin_batch
 from trinity_dagster.checkpoint.layout import latest_weights_version
+from trinity_dagster.service.records import read_record
 from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
+from trinity_dagster.trainer import SyncWithheldError, Trainer, TrainerHook
 
 ENGINE_POOL = "engine"
 BATCH = "experience_batch"
 TRAIN = "train_step"
+SYNCED = "synced_weights"
+CHECKS = ("loss_is_finite", "kl_within_bound")
 
 
-def batch_metadata(run_config: RunConfigResource, step: int, pinned: Any) -> dict[str, Any]:
+def batch_metadata(run_config: RunConfigResource, step: int, pinned: PinResult) -> dict[str, Any]:
     """Size, reward statistics, source table version and staleness of step N's batch."""
     table = load_step_batch(run_config.config, step)
     rewards = table.column("reward")
@@ -48,19 +58,99 @@ def batch_metadata(run_config: RunConfigResource, step: int, pinned: Any) -> dic
     }
 
 
-def train_metadata(record: dict[str, Any]) -> dict[str, Any]:
+def train_metadata(record: dict[str, Any], metrics: dict[str, Any], **flags: Any) -> dict[str, Any]:
     """Every numeric metric of the step, plus lineage and what was saved and synced."""
     return {
-        **numeric_metadata(record["metrics"]),
+        **numeric_metadata(metrics),
         "parent_step": record["parent_step"],
         "batch_size": record["batch_size"],
-        "weights_version": record["weights_version"],
-        "saved": record["saved"],
-        "saved_hf": record["saved_hf"],
-        "synced": record["synced"],
-        "sync_withheld": "; ".join(record["sync_withheld"]),
+        "health_problems": "; ".join(record["health_problems"]) or "none",
         "replayed_steps": ",".join(str(s) for s in record.get("replayed", [])),
         "already_trained": record.get("already_trained", False),
+        **flags,
+    }
+
+
+class DagsterTrainerHook(TrainerHook):
+    """Logs the loop's steps as materialisations of the selected assets."""
+
+    def __init__(
+        self,
+        context: dg.AssetExecutionContext,
+        run_config: RunConfigResource,
+        selected: set[str],
+    ) -> None:
+        self.context = context
+        self.run_config = run_config
+        self.selected = selected
+        self.synced: set[int] = set()
+        self.failures: dict[str, list[str]] = {name: [] for name in CHECKS}
+        self.recorded = context.instance.get_materialized_partitions(dg.AssetKey(TRAIN))
+
+    def on_batch(self, step: int, batch: PinResult) -> None:
+        if BATCH in self.selected:
+            metadata = batch_metadata(self.run_config, step, batch)
+            self.context.log_event(step_materialization(BATCH, step, metadata))
+
+    def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
+        self.check(step, record["metrics"])
+        if TRAIN not in self.selected:
+            return
+        if record.get("already_trained") and step_key(step) in self.recorded:
+            return  # logged by the run that trained it
+        metadata = train_metadata(
+            record,
+            metrics,
+            weights_version=latest_weights_version(self.run_config.paths) or 0,
+            synced=step in self.synced,
+            saved="time/save_checkpoint" in metrics,
+        )
+        self.context.log_event(step_materialization(TRAIN, step, metadata))
+
+    def on_sync(self, step: int, info: dict[str, Any]) -> None:
+        self.synced.add(step)
+        if SYNCED in self.selected:
+            self.context.log_event(step_materialization(SYNCED, step, sync_metadata(info)))
+
+    def check(self, step: int, metrics: dict[str, Any]) -> None:
+        """Add step N's health-check failures."""
+        kl_bound = self.run_config.config.algorithm.kl_bound
+        for name, (ok, reason) in {
+            "loss_is_finite": loss_is_finite(metrics),
+            "kl_within_bound": kl_within_bound(metrics, kl_bound),
+        }.items():
+            if not ok:
+                self.failures[name].append(f"step {step}: {reason}")
+
+    def check_results(self) -> Iterator[dg.AssetCheckResult]:
+        """The blocking checks over every step of the run."""
+        for name, problems in self.failures.items():
+            yield dg.AssetCheckResult(
+                asset_key=TRAIN,
+                check_name=name,
+                passed=not problems,
+                metadata={"problems": "; ".join(problems) or "none"},
+            )
+
+    def record_unlogged(self, steps: list[int]) -> None:
+        """Log steps of the run that the engine trained but no run recorded (a killed run)."""
+        for step in steps:
+            record = read_record(self.run_config.paths, step)
+            if record is None:
+                return
+            self.check(step, record["metrics"])
+            if TRAIN in self.selected and step_key(step) not in self.recorded:
+                metadata = train_metadata(record, record["metrics"], recovered=True)
+                self.context.log_event(step_materialization(TRAIN, step, metadata))
+                self.recorded.add(step_key(step))
+
+
+def sync_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    """Version, path and size of published weights."""
+    return {
+        "version": info["version"],
+        "path": dg.MetadataValue.path(info["path"]),
+        "size_bytes": info["size_bytes"],
     }
 
 
@@ -85,46 +175,68 @@ def train_metadata(record: dict[str, Any]) -> dict[str, Any]:
             kinds={"pytorch"},
             description="The engine trained step N on its pinned batch; metadata: every metric.",
         ),
+        dg.AssetSpec(
+            SYNCED,
+            deps=[TRAIN],
+            skippable=True,
+            partitions_def=step_partitions,
+            group_name="checkpoints",
+            kinds={"safetensors"},
+            description="Weights of step N published to explorers (HF format, by version).",
+        ),
     ],
-    check_specs=[
-        dg.AssetCheckSpec("loss_is_finite", asset=TRAIN, blocking=True),
-        dg.AssetCheckSpec("kl_within_bound", asset=TRAIN, blocking=True),
-    ],
+    check_specs=[dg.AssetCheckSpec(name, asset=TRAIN, blocking=True) for name in CHECKS],
     can_subset=True,
     backfill_policy=dg.BackfillPolicy.single_run(),
     pool=ENGINE_POOL,
 )
 def train(
     context: dg.AssetExecutionContext, run_config: RunConfigResource, engine: EngineResource
-) -> Iterator[dg.AssetMaterialization | dg.AssetCheckResult]:
-    """Pin and/or train each step of the run, in order."""
+) -> Iterator[dg.AssetCheckResult]:
+    """Run the trainer loop over the run's steps (or pin / publish them alone)."""
     selected = {key.to_user_string() for key in context.selected_asset_keys}
-    config = run_config.config
-    failures: dict[str, list[str]] = {"loss_is_finite": [], "kl_within_bound": []}
-    for step in run_steps(context):
-        if BATCH in selected:
-            pinned = pin_batch(config, step)
-            if isinstance(pinned, NotEnoughData):
-                raise dg.Failure(
-                    f"not enough experiences for step {step}: {pinned.message}",
-                    metadata={"have": pinned.have, "need": pinned.need},
-                )
-            yield step_materialization(BATCH, step, batch_metadata(run_config, step, pinned))
-        if TRAIN in selected:
-            record = engine.train_step(step)
-            yield step_materialization(TRAIN, step, train_metadata(record))
-            metrics = record["metrics"]
-            for name, (ok, reason) in {
-                "loss_is_finite": loss_is_finite(metrics),
-                "kl_within_bound": kl_within_bound(metrics, config.algorithm.kl_bound),
-            }.items():
-                if not ok:
-                    failures[name].append(f"step {step}: {reason}")
+    steps = run_steps(context)
     if TRAIN in selected:
-        for name, problems in failures.items():
-            yield dg.AssetCheckResult(
-                asset_key=TRAIN,
-                check_name=name,
-                passed=not problems,
-                metadata={"problems": "; ".join(problems) or "none"},
-            )
+        yield from run_trainer(context, run_config, engine, selected, steps)
+        return
+    wrapper = engine.wrapper()
+    for step in steps:
+        if BATCH in selected:
+            pinned = pin_batch(run_config.config, step)
+            if isinstance(pinned, NotEnoughData):
+                raise dg.Failure(f"not enough experiences for step {step}: {pinned.message}")
+            metadata = batch_metadata(run_config, step, pinned)
+            context.log_event(step_materialization(BATCH, step, metadata))
+        if SYNCED in selected:
+            info = wrapper.publish(step)
+            context.log_event(step_materialization(SYNCED, step, sync_metadata(info)))
+
+
+def run_trainer(
+    context: dg.AssetExecutionContext,
+    run_config: RunConfigResource,
+    engine: EngineResource,
+    selected: set[str],
+    steps: list[int],
+) -> Iterator[dg.AssetCheckResult]:
+    """`Trainer.train` up to the run's last step; check results after, failed or not."""
+    first, last = steps[0], steps[-1]
+    hook = DagsterTrainerHook(context, run_config, selected)
+    trainer = Trainer(run_config.config, engine.wrapper(), hook)
+    asyncio.run(trainer.prepare())
+    at = trainer.train_step_num
+    if at + 1 < first:
+        raise dg.Failure(
+            f"the engine is at step {at}: steps {at + 1}..{first - 1} must be trained before "
+            f"step {first}; materialize them first"
+        )
+    hook.record_unlogged(list(range(first, min(at, last) + 1)))
+    try:
+        reason = asyncio.run(trainer.train(last_step=last))
+    except SyncWithheldError as err:
+        yield from hook.check_results()
+        raise dg.Failure(str(err), metadata={"step": err.step}) from err
+    finally:
+        asyncio.run(trainer.shutdown())
+    context.log.info(f"trainer loop stopped: {reason}")
+    yield from hook.check_results()

@@ -1,15 +1,16 @@
-"""`checkpoint`, `hf_model` and `synced_weights`: what training left on disk, per step.
+"""`checkpoint` and `hf_model`: full checkpoints of a step and their Hugging Face exports.
 
-The engine writes checkpoints and publishes weights right after the step that calls for
-them (DESIGN §5), so these assets confirm and record what exists: path, size and manifest
-checksum, or weights version and path. Asked for a step the engine did not save or sync
-yet, the engine does it now if it is still at that step, and refuses otherwise.
+The trainer loop saves checkpoints as due (in the background) and `checkpoint_sensor`
+records each one when its manifest lands. Materialising `checkpoint[N]` from the UI waits
+for (or records) step N's checkpoint, or has the engine write it if the engine is still at
+step N; `hf_model[N]` exports a checkpoint without one with `trinity-dagster convert`.
 """
 
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 
@@ -23,7 +24,24 @@ from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_c
 
 CHECKPOINT = "checkpoint"
 HF_MODEL = "hf_model"
-SYNCED = "synced_weights"
+
+
+def checkpoint_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    """Path, size, file count and manifest checksum of a complete checkpoint."""
+    return {
+        "path": dg.MetadataValue.path(info["path"]),
+        "size_bytes": info["size_bytes"],
+        "files": info["files"],
+        "manifest_sha256": info["manifest_sha256"],
+    }
+
+
+def hf_metadata(hf_dir: Path) -> dict[str, Any]:
+    """Path and size of a Hugging Face directory."""
+    return {
+        "path": dg.MetadataValue.path(str(hf_dir)),
+        "size_bytes": sum(p.stat().st_size for p in hf_dir.iterdir() if p.is_file()),
+    }
 
 
 @dg.multi_asset(
@@ -62,17 +80,8 @@ def save(
     for step in run_steps(context):
         ckpt = checkpoint_dir(run_config.paths, step)
         if CHECKPOINT in selected:
-            info = engine.save_checkpoint(step, hf=HF_MODEL in selected)
-            yield step_materialization(
-                CHECKPOINT,
-                step,
-                {
-                    "path": dg.MetadataValue.path(info["path"]),
-                    "size_bytes": info["size_bytes"],
-                    "files": info["files"],
-                    "manifest_sha256": info["manifest_sha256"],
-                },
-            )
+            info = engine.wrapper().wait_for_checkpoint(step, hf=HF_MODEL in selected)
+            yield step_materialization(CHECKPOINT, step, checkpoint_metadata(info))
             try:
                 verify_checkpoint(ckpt)
             except CorruptCheckpointError as err:
@@ -81,14 +90,7 @@ def save(
             hf_dir = ckpt / HF_SUBDIR
             if not (hf_dir / "config.json").is_file():
                 convert_checkpoint(ckpt, hf_dir)
-            yield step_materialization(
-                HF_MODEL,
-                step,
-                {
-                    "path": dg.MetadataValue.path(str(hf_dir)),
-                    "size_bytes": sum(p.stat().st_size for p in hf_dir.iterdir() if p.is_file()),
-                },
-            )
+            yield step_materialization(HF_MODEL, step, hf_metadata(hf_dir))
     if CHECKPOINT in selected:
         yield dg.AssetCheckResult(
             asset_key=CHECKPOINT,
@@ -115,38 +117,4 @@ def convert_checkpoint(ckpt: Path, out: Path) -> None:
         raise dg.Failure(
             f"converting {ckpt} to a Hugging Face directory failed",
             metadata={"stderr": dg.MetadataValue.md(f"```\n{done.stderr[-4000:]}\n```")},
-        )
-
-
-@dg.multi_asset(
-    name="sync",
-    specs=[
-        dg.AssetSpec(
-            SYNCED,
-            deps=[TRAIN],
-            skippable=True,
-            partitions_def=step_partitions,
-            group_name="checkpoints",
-            kinds={"safetensors"},
-            description="Weights of step N published to explorers (HF format, by version).",
-        )
-    ],
-    can_subset=False,
-    backfill_policy=dg.BackfillPolicy.single_run(),
-    pool=ENGINE_POOL,
-)
-def sync(
-    context: dg.AssetExecutionContext, engine: EngineResource
-) -> Iterator[dg.AssetMaterialization]:
-    """Record (or publish) the weights of each step of the run."""
-    for step in run_steps(context):
-        info = engine.sync_weight(step)
-        yield step_materialization(
-            SYNCED,
-            step,
-            {
-                "version": info["version"],
-                "path": dg.MetadataValue.path(info["path"]),
-                "size_bytes": info["size_bytes"],
-            },
         )

@@ -83,7 +83,7 @@ def main() -> None:
                 record = client.train_step(step)
                 rtts.append(time.perf_counter() - t0)
                 computes.append(float(record["metrics"]["time/train_step"]))
-                reads.append(float(record["metrics"].get("time/read_experience", 0.0)))
+                reads.append(float(record["metrics"].get("time/load_batch", 0.0)))
                 assert not record["already_trained"], record
             overheads = [rtt - compute for rtt, compute in zip(rtts, computes, strict=True)]
 

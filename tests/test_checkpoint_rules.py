@@ -1,4 +1,4 @@
-"""The sync/save decision table of DESIGN §5, the explorer's weights version under sync_offset,
+"""The sync rules, the explorer's weights version under sync_offset,
 and that the checkpoint package stays importable without torch."""
 
 from __future__ import annotations
@@ -8,15 +8,7 @@ import sys
 
 import pytest
 
-from trinity_dagster.checkpoint.rules import (
-    StepPlan,
-    explorer_weights_version,
-    need_hf_export,
-    need_save,
-    need_sync,
-    plan_step,
-)
-from trinity_dagster.config import config_from_dict
+from trinity_dagster.checkpoint.rules import explorer_weights_version, need_sync
 
 
 @pytest.mark.parametrize(
@@ -42,90 +34,6 @@ def test_need_sync(step, interval, last_sync, style, requested, expected) -> Non
         explorer_requested=requested,
     )
     assert got is expected
-
-
-@pytest.mark.parametrize(
-    ("step", "save_interval", "total", "expected"),
-    [
-        (10, 10, 20, True),
-        (5, 10, 20, False),
-        (20, 10, 20, True),
-        (7, 0, 20, False),
-        (20, 0, 20, True),  # the final step always saves
-        (19, 7, 19, True),
-        (14, 7, 19, True),
-        (0, 5, 10, False),
-    ],
-)
-def test_need_save(step, save_interval, total, expected) -> None:
-    assert need_save(step, save_interval=save_interval, total_steps=total) is expected
-
-
-@pytest.mark.parametrize(
-    ("mode", "step", "expected"),
-    [("always", 3, True), ("last", 3, False), ("last", 9, True), ("never", 9, False)],
-)
-def test_need_hf_export(mode, step, expected) -> None:
-    assert need_hf_export(step, save_hf_checkpoint=mode, total_steps=9) is expected
-
-
-PLAN_COLUMNS = "step total save_interval save_hf method sync_interval last_sync"
-PLAN_TABLE = [
-    # inputs                                      save   hf     sync   serves block
-    ((3, 10, 5, "last", "checkpoint", 1, 2), (False, False, True, False, False)),
-    ((5, 10, 5, "last", "checkpoint", 1, 4), (True, True, True, True, False)),
-    ((5, 10, 5, "never", "memory", 1, 4), (True, False, True, False, False)),
-    ((5, 10, 5, "never", "checkpoint", 2, 4), (True, False, False, False, False)),
-    ((10, 10, 0, "last", "checkpoint", 3, 9), (True, True, False, False, True)),
-    ((10, 10, 0, "never", "checkpoint", 3, 9), (True, False, False, False, True)),
-    ((4, 10, 2, "always", "nccl", 4, 0), (True, True, True, False, False)),
-    ((6, 10, 2, "always", "checkpoint", 3, 6), (True, True, False, False, False)),
-    ((7, 10, 2, "always", "checkpoint", 1, 6), (False, False, True, False, False)),
-    ((10, 10, 4, "never", "checkpoint", 5, 5), (True, True, True, True, True)),
-]
-
-
-def _config(total, save_interval, save_hf, method, sync_interval, style="fixed"):
-    return config_from_dict(
-        {
-            "trainer": {
-                "total_steps": total,
-                "save_interval": save_interval,
-                "save_hf_checkpoint": save_hf,
-            },
-            "synchronizer": {
-                "sync_method": method,
-                "sync_interval": sync_interval,
-                "sync_style": style,
-            },
-        }
-    )
-
-
-@pytest.mark.parametrize(("inputs", "expected"), PLAN_TABLE)
-def test_plan_step_table(inputs, expected) -> None:
-    step, total, save_interval, save_hf, method, sync_interval, last_sync = inputs
-    config = _config(total, save_interval, save_hf, method, sync_interval)
-    plan = plan_step(step, config, last_sync)
-    save, hf, sync, serves, block = expected
-    assert plan == StepPlan(step, save, hf, sync, serves, block)
-    assert plan.publish is (sync and not serves)
-
-
-def test_plan_step_explorer_driven_syncs_only_on_request() -> None:
-    config = _config(10, 5, "never", "checkpoint", 1, style="explorer_driven")
-    assert not plan_step(3, config, 1).sync
-    asked = plan_step(3, config, 1, explorer_requested=True)
-    assert asked.sync and asked.publish and not asked.save
-    at_save = plan_step(5, config, 3, explorer_requested=True)
-    assert at_save.save_serves_as_sync and at_save.save_hf
-
-
-def test_plan_step_rejects_steps_outside_the_run() -> None:
-    config = _config(10, 5, "never", "checkpoint", 1)
-    for bad in (0, 11):
-        with pytest.raises(ValueError, match=r"outside 1\.\.trainer\.total_steps \(10\)"):
-            plan_step(bad, config, 0)
 
 
 @pytest.mark.parametrize(

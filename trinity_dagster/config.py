@@ -129,6 +129,17 @@ class BufferConfig(_Section):
     max_staleness: int = Field(default=4, ge=0, description="For staleness_control.")
     reuse_limit: int = Field(default=1, ge=1, description="For priority: uses per experience.")
     writer_max_retries: int = Field(default=20, ge=0)
+    total_epochs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Passes of the built-in explorer over its task set; None: no end.",
+    )
+    read_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="The trainer stops (data ended) after waiting this long for a batch with "
+        "no new experience arriving.",
+    )
 
 
 class OptimConfig(_Section):
@@ -173,7 +184,11 @@ class SynchronizerConfig(_Section):
     sync_style: Literal["fixed", "explorer_driven"] = "fixed"
     sync_interval: int = Field(default=1, ge=1)
     sync_offset: int = Field(default=0, ge=0, description="Explore steps explorers run ahead.")
-    sync_timeout: float = Field(default=600.0, gt=0, description="Seconds.")
+    sync_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        description="Seconds an explorer waits for the weights it needs before it fails.",
+    )
     keep_synced_weights: int = Field(default=2, ge=1, description="Sync-only weight dirs kept.")
 
 
@@ -287,8 +302,13 @@ class TrinityConfig(_Section):
                 f"(buffer.train_batch_size {self.buffer.train_batch_size} / "
                 f"megatron.data_parallel_size {self.megatron.data_parallel_size})",
             )
-        if self.synchronizer.sync_method == "nccl" and self.synchronizer.sync_style != "fixed":
-            raise _at("synchronizer.sync_style", "nccl sync supports only the 'fixed' style")
+        if self.synchronizer.sync_method in _UNIMPLEMENTED_SYNC_METHODS:
+            raise _at(
+                "synchronizer.sync_method",
+                f"{self.synchronizer.sync_method!r} is not implemented yet "
+                f"({_UNIMPLEMENTED_SYNC_METHODS[self.synchronizer.sync_method]}); "
+                "use 'checkpoint'",
+            )
         if self.service.host not in _LOOPBACK_HOSTS and not self.service.allow_non_loopback:
             raise _at(
                 "service.host",
@@ -309,6 +329,10 @@ class TrinityConfig(_Section):
 
 
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+_UNIMPLEMENTED_SYNC_METHODS = {
+    "memory": "weights through shared memory need a persistent explorer beside rank 0",
+    "nccl": "collective weight transfer needs the GPU path",
+}
 
 
 class _KeyPathError(ValueError):

@@ -28,10 +28,8 @@ from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     discard_dir,
     fsync_dir,
-    latest_checkpoint_step,
     scan_step_dirs,
     scratch_dir,
-    set_latest_checkpoint_step,
 )
 from trinity_dagster.checkpoint.manifest import (
     CorruptCheckpointError,
@@ -42,10 +40,11 @@ from trinity_dagster.checkpoint.manifest import (
     write_manifest,
 )
 from trinity_dagster.checkpoint.protocols import SaveHandle, StateProvider
-from trinity_dagster.checkpoint.publish import record_sync_from_checkpoint
+from trinity_dagster.checkpoint.publish import checkpoint_sync_dir
 from trinity_dagster.checkpoint.retention import is_complete, prune_checkpoints
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer.checkpoint_monitor import CheckpointMonitor
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +131,7 @@ class CheckpointManager:
         self._pending: dict[int, SaveTicket] = {}
         self._helper: ThreadPoolExecutor | None = None
         self._retention: Future[Any] | None = None
+        self.monitor = CheckpointMonitor(paths)
 
     # --- saving ----------------------------------------------------------------------
     def save(
@@ -173,6 +173,15 @@ class CheckpointManager:
             serves_as_sync=serves_as_sync,
             sampler_state=dict(sampler_state or {}),
         )
+        if self.writer:
+            self.monitor.register_thread_count(
+                step,
+                checkpoint_thread_count=1,
+                state_dict_thread_count=1 if serves_as_sync else 0,
+            )
+            self.monitor.notify_started(step)
+            if serves_as_sync:
+                self.monitor.notify_started(step, is_state_dict=True)
         if self._already_complete(ticket):
             log.info("checkpoint %s is already complete; not saving it again", ticket.directory)
             if self.writer:
@@ -323,20 +332,15 @@ class CheckpointManager:
         log.info("checkpoint of step %d complete at %s", ticket.step, final)
 
     def _after_install(self, ticket: SaveTicket) -> None:
-        """Marker forward, sync bookkeeping, then retention on the helper thread.
+        """Markers forward (through the monitor), then retention on the helper thread.
 
         Retention is safe to run beside training and other processes (see `retention`); its
         error is raised by a later `poll()` or by `wait_all()`, which waits for it.
         """
-        try:
-            current = latest_checkpoint_step(self.paths)
-        except ValueError as err:
-            log.warning("rewriting a damaged checkpoint marker: %s", err)
-            current = None
-        if current is None or ticket.step > current:
-            set_latest_checkpoint_step(self.paths, ticket.step)
+        self.monitor.notify_finished(ticket.step)
         if ticket.serves_as_sync:
-            record_sync_from_checkpoint(self.paths, ticket.step)
+            checkpoint_sync_dir(self.paths, ticket.step)
+            self.monitor.notify_finished(ticket.step, is_state_dict=True)
         self._check_retention(block=True)
         self._retention = self._helper_thread().submit(
             prune_checkpoints,

@@ -38,7 +38,8 @@ WEIGHTS_FILE = "model.safetensors"
 _NOT_TOKENIZER = {"config.json", "generation_config.json", WEIGHTS_FILE}
 
 
-def _advance_weights_marker(paths: RunPaths, version: int) -> None:
+def advance_weights_marker(paths: RunPaths, version: int) -> None:
+    """Move the published-weights marker forward to `version` (never backwards)."""
     current = latest_weights_version(paths)
     if current is None or version > current:
         set_latest_weights_version(paths, version)
@@ -129,7 +130,7 @@ def publish_weights(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(target.parent)
-    _advance_weights_marker(paths, step)
+    advance_weights_marker(paths, step)
     log.info("published weights version %d at %s", step, target)
     return target
 
@@ -140,13 +141,19 @@ def record_sync_from_checkpoint(paths: RunPaths, step: int) -> Path:
     Used when a full save serves as the sync (sync_method `checkpoint`): nothing is copied.
     Returns the HF directory explorers load.
     """
+    directory = checkpoint_sync_dir(paths, step)
+    advance_weights_marker(paths, step)
+    return directory
+
+
+def checkpoint_sync_dir(paths: RunPaths, step: int) -> Path:
+    """The `huggingface/` export of complete checkpoint `step`, which can serve as the sync."""
     ckpt = checkpoint_dir(paths, step)
     manifest = verify_checkpoint(ckpt, checksums=False)
     if not any(f.path == f"{HF_SUBDIR}/config.json" for f in manifest.files):
         raise FileNotFoundError(
             f"checkpoint {ckpt} has no {HF_SUBDIR}/config.json; it cannot serve as the sync"
         )
-    _advance_weights_marker(paths, step)
     return ckpt / HF_SUBDIR
 
 

@@ -1,18 +1,17 @@
-"""When a train step syncs weights to explorers and when it saves a checkpoint (Trinity-RFT rules).
+"""When weights go to explorers (Trinity-RFT's sync rules), as pure functions. No torch here.
 
-Pure functions of the step number and the configuration: the Dagster sensors and the engine
-service ask the same questions and get the same answers. No torch here.
+The trainer loop (`trinity_dagster.trainer.Trainer`) asks `need_sync` after each step; the
+built-in explorer asks `explorer_weights_version` which version an explore step needs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Literal
 
 from trinity_dagster.config import TrinityConfig
 
 SyncStyle = Literal["fixed", "explorer_driven"]
-SaveHfMode = Literal["always", "last", "never"]
 
 
 def _check_step(step: int, name: str = "step") -> None:
@@ -46,29 +45,6 @@ def need_sync(
     raise ValueError(f"unknown sync style {style!r}: expected 'fixed' or 'explorer_driven'")
 
 
-def need_save(step: int, *, save_interval: int, total_steps: int) -> bool:
-    """Whether train step `step` saves a full checkpoint: every `save_interval`, and the last."""
-    _check_step(step)
-    if save_interval < 0:
-        raise ValueError(f"save_interval must be >= 0, got {save_interval}")
-    if step == total_steps:
-        return True
-    return save_interval > 0 and step > 0 and step % save_interval == 0
-
-
-def need_hf_export(step: int, *, save_hf_checkpoint: SaveHfMode, total_steps: int) -> bool:
-    """Whether a full save of `step` also exports a Hugging Face directory."""
-    if save_hf_checkpoint == "always":
-        return True
-    if save_hf_checkpoint == "last":
-        return step == total_steps
-    if save_hf_checkpoint == "never":
-        return False
-    raise ValueError(
-        f"unknown save_hf_checkpoint {save_hf_checkpoint!r}: expected 'always', 'last' or 'never'"
-    )
-
-
 def explorer_weights_version(explore_step: int, *, sync_interval: int, sync_offset: int) -> int:
     """The weights version explore step `explore_step` (1-based) runs with, style `fixed`.
 
@@ -87,56 +63,14 @@ def explorer_weights_version(explore_step: int, *, sync_interval: int, sync_offs
     return max(0, (explore_step - 1 - sync_offset) // sync_interval) * sync_interval
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What happens after train step N.
+def explore_steps_needed(config: TrinityConfig) -> int:
+    """Explore steps of the built-in explorer whose experiences fill `trainer.total_steps`.
 
-    save: write a full checkpoint. save_hf: the checkpoint includes `huggingface/`.
-    sync: explorers get weights version N. save_serves_as_sync: the sync is the checkpoint's
-    HF export (sync_method `checkpoint`), so no separate weights are published.
-    blocking: the save finishes before the step returns (only the final save).
+    Each SFT warm-up step takes one explore step of demonstrations; each RL step takes
+    `buffer.train_batch_size` rows, `explorer.tasks_per_step * algorithm.repeat_times` per
+    explore step.
     """
-
-    step: int
-    save: bool
-    save_hf: bool
-    sync: bool
-    save_serves_as_sync: bool
-    blocking: bool
-
-    @property
-    def publish(self) -> bool:
-        """Whether weights must be published separately (a sync not covered by a save)."""
-        return self.sync and not self.save_serves_as_sync
-
-
-def plan_step(
-    step: int, config: TrinityConfig, last_sync_step: int, *, explorer_requested: bool = False
-) -> StepPlan:
-    """The save/sync plan of train step `step` under `config` (DESIGN §5)."""
-    trainer, sync_cfg = config.trainer, config.synchronizer
-    if step < 1 or step > trainer.total_steps:
-        raise ValueError(f"step {step} is outside 1..trainer.total_steps ({trainer.total_steps})")
-    save = need_save(step, save_interval=trainer.save_interval, total_steps=trainer.total_steps)
-    sync = need_sync(
-        step,
-        sync_interval=sync_cfg.sync_interval,
-        last_sync_step=last_sync_step,
-        style=sync_cfg.sync_style,
-        explorer_requested=explorer_requested,
-    )
-    serves = save and sync and sync_cfg.sync_method == "checkpoint"
-    save_hf = save and (
-        serves
-        or need_hf_export(
-            step, save_hf_checkpoint=trainer.save_hf_checkpoint, total_steps=trainer.total_steps
-        )
-    )
-    return StepPlan(
-        step=step,
-        save=save,
-        save_hf=save_hf,
-        sync=sync,
-        save_serves_as_sync=serves,
-        blocking=save and step == trainer.total_steps,
-    )
+    total = config.trainer.total_steps
+    sft = min(config.trainer.sft_warmup_steps, total)
+    per_step = config.explorer.tasks_per_step * config.algorithm.repeat_times
+    return sft + math.ceil((total - sft) * config.buffer.train_batch_size / per_step)

@@ -9,12 +9,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `run`."""
     parser.add_argument("-c", "--config", required=True, help="YAML run configuration")
     parser.add_argument("--root", help="run root directory (overrides run_root)")
+    parser.add_argument(
+        "--workspace", help="the Dagster workspace.yaml (default: ./workspace.yaml, the repo's)"
+    )
     parser.add_argument("--steps", type=int, help="train steps (overrides trainer.total_steps)")
 
 
 def main(args: argparse.Namespace) -> int:
     """Train to `trainer.total_steps` and print the summary."""
-    from trinity_dagster.commands.loop import run_training
+    from trinity_dagster.commands.training_run import run_training
 
     overrides = {}
     if args.root:
@@ -22,5 +25,5 @@ def main(args: argparse.Namespace) -> int:
     if args.steps:
         overrides["trainer.total_steps"] = args.steps
     config = load_config(args.config, overrides=overrides)
-    run_training(config)
+    run_training(config, args.workspace)
     return 0

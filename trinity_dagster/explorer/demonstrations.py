@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -69,7 +68,7 @@ def demonstration_rows(
         }
         rows.append(
             {
-                "eid": str(uuid.uuid4()),
+                "eid": f"demo:{seed}:{index}",
                 "task_id": task.task_id,
                 "group_id": f"demo:{seed}:{index // group_size}",
                 "explorer_id": DEMONSTRATION_EXPLORER_ID,

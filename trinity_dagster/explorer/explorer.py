@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -79,9 +78,33 @@ class Explorer:
         return self._model
 
     def sample_tasks(self, step: int) -> list[Task]:
-        """The tasks of explore step `step` (a function of `explorer.seed` and `step`)."""
-        rng = random.Random(derive_seed("tasks", self.config.explorer.seed, step))
-        return self.taskset.sample(self.config.explorer.tasks_per_step, rng)
+        """The tasks of explore step `step` (a function of `explorer.seed` and `step`).
+
+        With `buffer.total_epochs` set, explore steps walk through the task set epoch by
+        epoch (each epoch a fresh permutation), so every task is used once per epoch.
+        """
+        per_step = self.config.explorer.tasks_per_step
+        seed = self.config.explorer.seed
+        if self.config.buffer.total_epochs is None:
+            rng = random.Random(derive_seed("tasks", seed, step))
+            return self.taskset.sample(per_step, rng)
+        size = len(self.taskset)
+        orders: dict[int, list[int]] = {}
+        tasks = []
+        for index in range((step - 1) * per_step, step * per_step):
+            epoch, position = divmod(index, size)
+            if epoch not in orders:
+                orders[epoch] = list(range(size))
+                random.Random(derive_seed("epoch", seed, epoch)).shuffle(orders[epoch])
+            tasks.append(self.taskset.tasks[orders[epoch][position]])
+        return tasks
+
+    def steps_available(self) -> int | None:
+        """Explore steps the task set allows under `buffer.total_epochs` (None: no end)."""
+        epochs = self.config.buffer.total_epochs
+        if epochs is None:
+            return None
+        return epochs * len(self.taskset) // self.config.explorer.tasks_per_step
 
     def explore(self, step: int, version: int | None = None) -> list[dict[str, Any]]:
         """Experience rows of step `step` from weights `version` (None: the latest published)."""
@@ -112,12 +135,16 @@ class Explorer:
             slot = index // repeat
             task = tasks[slot]
             group_id = f"{self.explorer_id}:{step}:{slot}:{task.task_id}"
-            rows.append(self._row(task, group_id, prompts[index], generation, version, created_at))
+            eid = f"{self.explorer_id}:{step}:{index}"
+            rows.append(
+                self._row(task, eid, group_id, prompts[index], generation, version, created_at)
+            )
         return rows
 
     def _row(
         self,
         task: Task,
+        eid: str,
         group_id: str,
         prompt_ids: list[int],
         generation: Generation,
@@ -135,7 +162,7 @@ class Explorer:
             "top_p": self.config.explorer.top_p,
         }
         return {
-            "eid": str(uuid.uuid4()),
+            "eid": eid,
             "task_id": task.task_id,
             "group_id": group_id,
             "explorer_id": self.explorer_id,

@@ -9,6 +9,7 @@ so a crash never leaves a half-written version 0.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ from trinity_dagster.explorer.tokenizer import build_tokenizer, load_tokenizer
 from trinity_dagster.paths import RunPaths
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+INIT_LOCK = ".initial_model.lock"
 
 
 def is_complete_hf_dir(directory: Path) -> bool:
@@ -41,7 +43,17 @@ def is_complete_hf_dir(directory: Path) -> bool:
 
 
 def create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:
-    """Create (or keep an existing complete) weights version 0 and return its directory."""
+    """Create (or keep an existing complete) weights version 0 and return its directory.
+
+    Processes that start together (engine ranks, explorers) take turns under a file lock.
+    """
+    paths.root.mkdir(parents=True, exist_ok=True)
+    with open(paths.root / INIT_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _create_initial_model(config, paths)
+
+
+def _create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:
     target = published_weights_dir(paths, 0)
     if not is_complete_hf_dir(target):
         if target.exists():

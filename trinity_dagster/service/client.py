@@ -76,9 +76,12 @@ class EngineClient:
         """Train step N (or return its recorded result if already trained)."""
         return self._call("POST", "/train_step", {"step": step})
 
-    def save_checkpoint(self, step: int, *, block: bool = True, hf: bool = False) -> dict[str, Any]:
-        """Make sure a complete checkpoint of step N exists."""
-        return self._call("POST", "/save_checkpoint", {"step": step, "block": block, "hf": hf})
+    def save_checkpoint(
+        self, step: int, *, block: bool = True, hf: bool = False, serves_as_sync: bool = False
+    ) -> dict[str, Any]:
+        """Make sure a complete checkpoint of step N exists (optionally serving as the sync)."""
+        body = {"step": step, "block": block, "hf": hf, "serves_as_sync": serves_as_sync}
+        return self._call("POST", "/save_checkpoint", body)
 
     def sync_weight(self, step: int) -> dict[str, Any]:
         """Make sure the weights of step N are published to explorers."""

@@ -9,14 +9,14 @@ Order rules for `train_step(N)` with the engine at step S:
 - N > S + 1: allowed only if steps S+1..N-1 were trained before (their records exist, as
   after a crash and a restart from an older checkpoint): they are replayed from their pinned
   batches first and reported in `replayed`; otherwise refused, naming the steps.
-After step N trains, the save/sync plan of DESIGN §5 runs: a full checkpoint (in the
-background unless it is the final one) and/or published weights.
+Training a step does not save or sync: the trainer loop (`trinity_dagster.trainer.Trainer`)
+decides that and sends `save_checkpoint` and `sync_weight` for the step the engine is at.
+A step's record lists the health problems (`step_checks`) that keep its weights from
+explorers; `sync_weight` refuses such a step, and so does a save that would serve as the sync.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import time
 from pathlib import Path
@@ -31,36 +31,24 @@ from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_weights_version,
     weights_dir,
-    write_atomic,
 )
 from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
-from trinity_dagster.checkpoint.publish import prune_published, publish_weights
-from trinity_dagster.checkpoint.rules import plan_step
+from trinity_dagster.checkpoint.publish import (
+    prune_published,
+    publish_weights,
+    record_sync_from_checkpoint,
+)
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import TrainEngine
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.protocol import BadRequestError, StepOrderError
+from trinity_dagster.service.records import read_record, record_path, write_record
 from trinity_dagster.step_checks import sync_blockers
 
 log = logging.getLogger(__name__)
-
-RECORDS_DIR = "steps"
-
-
-def record_path(paths: RunPaths, step: int) -> Path:
-    """The JSON record of a trained step (metrics, what was saved and synced)."""
-    return paths.logs / RECORDS_DIR / f"step_{step:06d}.json"
-
-
-def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
-    """The recorded result of a trained step, or None."""
-    try:
-        return json.loads(record_path(paths, step).read_text())
-    except FileNotFoundError:
-        return None
 
 
 class EngineHost:
@@ -83,11 +71,8 @@ class EngineHost:
         self._refresh_status()
 
     def _initial_weights(self) -> Path:
-        """Version 0 of the weights (created once; ranks take turns under a file lock)."""
-        self.paths.service.mkdir(parents=True, exist_ok=True)
-        with open(self.paths.service / "init.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return create_initial_model(self.config, self.paths)
+        """Version 0 of the weights (created once)."""
+        return create_initial_model(self.config, self.paths)
 
     # --- command loop interface -------------------------------------------------------
     def broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]:
@@ -164,26 +149,41 @@ class EngineHost:
             self._train(earlier)
         return {**self._train(step), "already_trained": False, "replayed": replayed}
 
-    def save_checkpoint(self, step: int, block: bool = True, hf: bool = False) -> dict[str, Any]:
-        """Make sure a complete checkpoint of step N exists (written now if the engine is at N)."""
+    def save_checkpoint(
+        self, step: int, block: bool = True, hf: bool = False, serves_as_sync: bool = False
+    ) -> dict[str, Any]:
+        """Make sure a complete checkpoint of step N exists (written now if the engine is at N).
+
+        `serves_as_sync`: the checkpoint's HF export becomes published weights version N
+        once it is complete (sync_method `checkpoint`), so the weights are written once.
+        """
         ckpt = checkpoint_dir(self.paths, step)
+        if serves_as_sync:
+            self._refuse_withheld(step)
         if self.checkpoints.is_pending(step):
-            if block:
-                self.checkpoints.wait(step)
-            return self._checkpoint_info(step, pending=not block)
+            if not block:
+                return self._checkpoint_info(step, pending=True)
+            self.checkpoints.wait(step)
         try:
             verify_checkpoint(ckpt, checksums=False)
-            return self._checkpoint_info(step, pending=False)
+            complete = True
         except CorruptCheckpointError:
-            pass
+            complete = False
+        has_hf = (ckpt / "huggingface" / "config.json").is_file()
+        if complete and (has_hf or not (hf or serves_as_sync) or self.engine.step != step):
+            if serves_as_sync and has_hf and self.last_sync_step < step:
+                self._record_sync_from_checkpoint(step)
+            return self._checkpoint_info(step, pending=False)
         if self.engine.step != step:
             raise StepOrderError(
                 f"no complete checkpoint of step {step} exists and the engine is at step "
                 f"{self.engine.step}; a checkpoint of step {step} can only be written right "
-                "after training it (set trainer.save_interval)"
+                "after training it"
                 + (f"; last save error: {self.save_error}" if self.save_error else "")
             )
-        self._save(step, hf=hf, block=block, serves_as_sync=False)
+        self._save(step, hf=hf or serves_as_sync, block=block, serves_as_sync=serves_as_sync)
+        if serves_as_sync:
+            self.last_sync_step = step  # published when the save completes
         return self._checkpoint_info(step, pending=not block)
 
     def sync_weight(self, step: int) -> dict[str, Any]:
@@ -194,12 +194,7 @@ class EngineHost:
             return self._weights_info(step)
         except FileNotFoundError:
             pass
-        record = read_record(self.paths, step)
-        if record is not None and record["sync_withheld"]:
-            raise BadRequestError(
-                f"weights of step {step} are withheld from explorers: "
-                + "; ".join(record["sync_withheld"])
-            )
+        self._refuse_withheld(step)
         if self.engine.step != step:
             raise StepOrderError(
                 f"weights of step {step} were never published and the engine is at step "
@@ -209,7 +204,22 @@ class EngineHost:
         return self._weights_info(step)
 
     # --- internals --------------------------------------------------------------------
+    def _refuse_withheld(self, step: int) -> None:
+        """Raise if step N's record says its weights must not reach explorers."""
+        record = read_record(self.paths, step)
+        if record is not None and record["health_problems"]:
+            raise BadRequestError(
+                f"weights of step {step} are withheld from explorers: "
+                + "; ".join(record["health_problems"])
+            )
+
+    def _record_sync_from_checkpoint(self, step: int) -> None:
+        if self.rank == 0:
+            record_sync_from_checkpoint(self.paths, step)
+        self.last_sync_step = step
+
     def _train(self, step: int) -> dict[str, Any]:
+        started_at = time.time()
         started = time.perf_counter()
         try:
             table = load_step_batch(self.config, step)
@@ -222,37 +232,21 @@ class EngineHost:
             metrics = self.engine.train_step(step, to_tensors(table))
         except BatchError as err:
             raise BadRequestError(f"batch of step {step} refused: {err}") from err
-        metrics["time/read_experience"] = read_s
-        plan = plan_step(step, self.config, self.last_sync_step)
-        withheld = sync_blockers(metrics, self.config.algorithm.kl_bound)
-        if plan.sync and withheld:
-            log.warning("weights of step %d not synced: %s", step, "; ".join(withheld))
-        sync_now = plan.sync and not withheld
-        if plan.save:
-            started = time.perf_counter()
-            serves = sync_now and plan.save_serves_as_sync
-            self._save(step, hf=plan.save_hf, block=plan.blocking, serves_as_sync=serves)
-            metrics["time/save_checkpoint"] = time.perf_counter() - started
-            if serves:
-                self.last_sync_step = step  # published when the save completes
-        if sync_now and not plan.save_serves_as_sync:
-            started = time.perf_counter()
-            self._publish(step)
-            metrics["time/sync_weight"] = time.perf_counter() - started
+        metrics["time/load_batch"] = read_s
+        problems = sync_blockers(metrics, self.config.algorithm.kl_bound)
+        if problems:
+            log.warning("weights of step %d must not be synced: %s", step, "; ".join(problems))
         record = {
             "step": step,
             "metrics": metrics,
             "batch_size": table.num_rows,
             "parent_step": step - 1,
-            "saved": plan.save,
-            "saved_hf": plan.save_hf,
-            "synced": sync_now,
-            "sync_withheld": withheld,
-            "weights_version": self.last_sync_step,
+            "health_problems": problems,
+            "started_at": started_at,
             "trained_at": time.time(),
         }
         if self.rank == 0:
-            write_atomic(record_path(self.paths, step), json.dumps(record, indent=1))
+            write_record(self.paths, record)
         return record
 
     def _save(self, step: int, *, hf: bool, block: bool, serves_as_sync: bool) -> None:

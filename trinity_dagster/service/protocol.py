@@ -23,6 +23,9 @@ class SaveCheckpointRequest(_Request):
     step: int = Field(ge=1)
     block: bool = Field(default=True, description="Wait until the checkpoint is complete.")
     hf: bool = Field(default=False, description="Also export a Hugging Face directory.")
+    serves_as_sync: bool = Field(
+        default=False, description="The HF export becomes published weights version N."
+    )
 
 
 class SyncWeightRequest(_Request):

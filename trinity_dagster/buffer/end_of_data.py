@@ -1,0 +1,34 @@
+"""End of data: an explorer marks that it will write no more experiences.
+
+The built-in explorer marks it when its task set's epochs (`buffer.total_epochs`) are used
+up or its last explore step is done; an external explorer calls `mark_end_of_data` when it
+stops. The trainer, waiting for a batch that cannot fill any more, then stops cleanly with a
+final save (as Trinity-RFT's trainer does on `StopAsyncIteration`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.paths import RunPaths
+
+END_DIR = "_end_of_data"
+
+
+def mark_end_of_data(paths: RunPaths, explorer_id: str, reason: str) -> None:
+    """Record that `explorer_id` writes no more experiences, and why."""
+    marker = paths.root / END_DIR / f"{explorer_id}.json"
+    write_atomic(
+        marker, json.dumps({"explorer_id": explorer_id, "reason": reason, "at": time.time()})
+    )
+
+
+def end_of_data(paths: RunPaths) -> str | None:
+    """Why no more data will come (the explorers' reasons), or None while data may come."""
+    folder = paths.root / END_DIR
+    if not folder.is_dir():
+        return None
+    reasons = [json.loads(p.read_text())["reason"] for p in sorted(folder.glob("*.json"))]
+    return "; ".join(reasons) or None

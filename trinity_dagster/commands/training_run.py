@@ -1,0 +1,296 @@
+"""A whole training run driven by the Dagster daemon, for `trinity-dagster demo` and `run`.
+
+The command prepares the run's Dagster instance under `run_root/dagster_home` (the settings
+of `trinity_dagster.dagster_instance`), starts `dagster-daemon run` headless on the
+workspace, and watches the instance: the daemon's sensors start the trainer and explorer
+loops and the evaluations, exactly as under `dagster dev`. It prints one line per recorded
+explore and train step, fails with the cause when a run fails for good, and ends when the
+trainer finished and the final weights are evaluated. `dagster dev` on the same instance
+shows the whole history afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import fmean
+from typing import Any
+
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.dagster_instance import write_instance_yaml
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer.run_state import read_trainer_state
+
+CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POLL_S = 1.0
+FAILURE_REASON = "dagster/failure_reason"
+WILL_RETRY = "dagster/will_retry"
+
+
+class TrainingRunError(RuntimeError):
+    """A run of the graph failed for good, or the daemon stopped; the message says which."""
+
+
+def find_workspace(workspace: str | Path | None) -> Path:
+    """The `workspace.yaml` that loads the code location (given, in the cwd, or the repo's)."""
+    candidates = [Path(workspace)] if workspace else [Path.cwd() / "workspace.yaml"]
+    if workspace is None:
+        candidates.append(REPO_ROOT / "workspace.yaml")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise TrainingRunError(
+        f"no Dagster workspace at {', '.join(str(c) for c in candidates)}: run from the "
+        "trinity-dagster repository root or pass --workspace PATH/workspace.yaml"
+    )
+
+
+def prepare_instance(config: TrinityConfig) -> Path:
+    """Write the run's config and instance settings; point this process's Dagster at them."""
+    paths = RunPaths.of(config.run_root)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    config_file = paths.root / "config.yaml"
+    config_file.write_text(config.to_yaml())
+    write_instance_yaml(paths.dagster_home)
+    os.environ[CONFIG_ENV_VAR] = str(config_file)
+    os.environ["DAGSTER_HOME"] = str(paths.dagster_home)
+    return config_file
+
+
+def dagster_dev_command(config: TrinityConfig, config_file: Path, workspace: Path) -> str:
+    """The command that opens this run's instance in the Dagster UI."""
+    paths = RunPaths.of(config.run_root)
+    return (
+        f"cd {workspace.parent} && DAGSTER_HOME={paths.dagster_home} "
+        f"{CONFIG_ENV_VAR}={config_file} {Path(sys.executable).parent / 'dagster'} dev "
+        f"-w {workspace.name} -h 127.0.0.1 -p 3000"
+    )
+
+
+def start_daemon(paths: RunPaths, workspace: Path) -> subprocess.Popen:
+    """`dagster-daemon run` on the workspace, in its own session, logging under `logs/`."""
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    log = open(paths.logs / "dagster-daemon.log", "ab")  # noqa: SIM115 (owned by the child)
+    command = [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(workspace)]
+    return subprocess.Popen(
+        command,
+        cwd=workspace.parent,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=os.environ.copy(),
+    )
+
+
+def stop_daemon(daemon: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Stop the daemon and everything it started (code server, run workers)."""
+    if daemon.poll() is None:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(daemon.pid, signal.SIGKILL)  # run workers left in the session
+
+
+class Progress:
+    """Reads the instance: new step materialisations, final failures, the end of training."""
+
+    def __init__(self, instance: Any, config: TrinityConfig) -> None:
+        import dagster as dg
+
+        self.dg = dg
+        self.instance = instance
+        self.config = config
+        self.paths = RunPaths.of(config.run_root)
+        self.cursors: dict[str, str | None] = {"rollouts": None, "train_step": None}
+        self.reported_failures: set[str] = set()
+
+    def new_lines(self) -> list[str]:
+        """One line per explore or train step recorded since the last call."""
+        lines = []
+        for asset in self.cursors:
+            result = self.instance.fetch_materializations(
+                self.dg.AssetKey(asset), limit=1000, cursor=self.cursors[asset], ascending=True
+            )
+            if result.records:
+                self.cursors[asset] = result.cursor
+            for record in result.records:
+                event = record.asset_materialization
+                if event is not None and event.partition is not None:
+                    meta = {k: v.value for k, v in event.metadata.items()}
+                    lines.append(self._line(asset, int(event.partition), meta))
+        return lines
+
+    def _line(self, asset: str, step: int, meta: dict[str, Any]) -> str:
+        head = f"[{step:>3}/{self.config.trainer.total_steps}]"
+        if asset == "rollouts":
+            kind = "demonstrations" if meta.get("demonstrations") else "rollouts"
+            return (
+                f"{head} explore  {kind}: reward {meta.get('reward_mean', float('nan')):.3f}, "
+                f"weights v{meta.get('weights_version')}"
+            )
+        return (
+            f"{head} train    pg_loss {meta.get('actor/pg_loss', float('nan')):+.4f}, "
+            f"entropy {meta.get('actor/entropy', float('nan')):.3f}, "
+            f"reward {meta.get('critic/rewards/mean', float('nan')):.3f}, "
+            f"{meta.get('time/step', float('nan')):.2f}s"
+        )
+
+    def final_failure(self) -> str | None:
+        """The error of a run that failed and will not be retried, if any."""
+        dg = self.dg
+        failed = self.instance.get_runs(
+            filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE])
+        )
+        for run in failed:
+            if run.run_id in self.reported_failures:
+                continue
+            step_failure = run.tags.get(FAILURE_REASON) == "STEP_FAILURE"
+            if not step_failure and run.tags.get(WILL_RETRY) != "false":
+                continue  # retried by the daemon, or not decided yet
+            self.reported_failures.add(run.run_id)
+            return f"{run.job_name} run {run.run_id} failed: {self._error(run.run_id)}"
+        return None
+
+    def _error(self, run_id: str) -> str:
+        dg = self.dg
+        for kind in (dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE):
+            records = self.instance.get_records_for_run(run_id, of_type=kind).records
+            for record in records:
+                event = record.event_log_entry.dagster_event
+                error = getattr(event.event_specific_data, "error", None)
+                if error is not None:
+                    return error.to_string()
+                if event.message:
+                    return event.message
+        return "no error recorded (see the run's logs)"
+
+    def evaluation(self, version: int) -> dict[str, Any] | None:
+        """The metadata of `evaluation[version]`, once recorded."""
+        dg = self.dg
+        key = f"{version:06d}"
+        records = self.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("evaluation"), asset_partitions=[key]),
+            limit=1,
+        ).records
+        if not records or records[0].asset_materialization is None:
+            return None
+        return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+    def rollout_rewards(self) -> list[tuple[int, float, bool]]:
+        """(explore step, mean reward, demonstrations?) of every rollouts partition, by step."""
+        records = self.instance.fetch_materializations(
+            self.dg.AssetKey("rollouts"), limit=10_000
+        ).records
+        latest: dict[int, tuple[float, bool]] = {}
+        for record in sorted(records, key=lambda r: r.storage_id):
+            event = record.asset_materialization
+            if event is None or event.partition is None:
+                continue
+            meta = {name: value.value for name, value in event.metadata.items()}
+            latest[int(event.partition)] = (
+                float(meta["reward_mean"]),
+                bool(meta["demonstrations"]),
+            )
+        return [(step, reward, demo) for step, (reward, demo) in sorted(latest.items())]
+
+
+def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> dict[str, Any]:
+    """Train to the end through the Dagster daemon; write and return `summary.json`."""
+    workspace_file = find_workspace(workspace)
+    config_file = prepare_instance(config)
+    import dagster as dg
+
+    from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
+    from trinity_dagster.service.launcher import stop_service
+
+    paths = RunPaths.of(config.run_root)
+    total = config.trainer.total_steps
+    started = time.perf_counter()
+    print(
+        f"trinity-dagster: training {total} steps under {paths.root} (dagster-daemon)", flush=True
+    )
+    instance = dg.DagsterInstance.get()
+    progress = Progress(instance, config)
+    eval_key = f"eval/{config.explorer.eval_taskset}/accuracy"
+    daemon = start_daemon(paths, workspace_file)
+    try:
+        final_eval = _watch(progress, daemon, paths)
+    finally:
+        stop_daemon(daemon)
+        stop_service(paths)
+    state = read_trainer_state(paths)
+    assert state is not None
+    initial_eval = progress.evaluation(0) or {}
+    rewards = [reward for _, reward, demo in progress.rollout_rewards() if not demo]
+    window = max(1, min(5, len(rewards) // 2))
+    final_step = latest_checkpoint_step(paths)
+    final_ckpt = checkpoint_dir(paths, final_step) if final_step is not None else None
+    hf_model = final_ckpt / "huggingface" if final_ckpt is not None else None
+    summary = {
+        "steps": state.step,
+        "stopped_because": state.reason,
+        "reward_first": fmean(rewards[:window]) if rewards else None,
+        "reward_last": fmean(rewards[-window:]) if rewards else None,
+        "reward_window": window,
+        "accuracy_start": initial_eval.get(eval_key),
+        "accuracy_end": final_eval.get(eval_key),
+        "final_checkpoint": str(final_ckpt) if final_ckpt else None,
+        "hf_model": str(hf_model) if hf_model and (hf_model / "config.json").is_file() else None,
+        "dagster_home": str(paths.dagster_home),
+        "dagster_dev": dagster_dev_command(config, config_file, workspace_file),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (paths.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(
+        "\n".join(
+            [
+                "",
+                f"done in {summary['seconds']:.0f} s: {state.step} steps ({state.reason})",
+                f"rollout reward: first {window} RL steps {summary['reward_first']} -> "
+                f"last {window} {summary['reward_last']}",
+                f"held-out accuracy: {summary['accuracy_start']} -> {summary['accuracy_end']}",
+                f"final checkpoint: {summary['final_checkpoint']}",
+                f"HF model: {summary['hf_model']}",
+                f"summary: {paths.root / 'summary.json'}",
+                "inspect lineage and plots:",
+                f"  {summary['dagster_dev']}",
+            ]
+        ),
+        flush=True,
+    )
+    return summary
+
+
+def _watch(progress: Progress, daemon: subprocess.Popen, paths: RunPaths) -> dict[str, Any]:
+    from trinity_dagster.checkpoint.layout import latest_weights_version
+
+    total_steps = progress.config.trainer.total_steps
+    """Print progress until the final evaluation is recorded; returns its metadata."""
+    while True:
+        for line in progress.new_lines():
+            print(line, flush=True)
+        failure = progress.final_failure()
+        if failure is not None:
+            raise TrainingRunError(failure)
+        if daemon.poll() is not None:
+            raise TrainingRunError(
+                f"dagster-daemon exited with {daemon.returncode}; "
+                f"see {paths.logs / 'dagster-daemon.log'}"
+            )
+        state = read_trainer_state(paths)
+        if state is not None and state.finished(total_steps):
+            final = progress.evaluation(latest_weights_version(paths) or 0)
+            if final is not None:
+                return final
+        time.sleep(POLL_S)

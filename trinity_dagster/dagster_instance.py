@@ -1,0 +1,48 @@
+"""The Dagster instance settings a trinity-dagster run needs (`DAGSTER_HOME/dagster.yaml`).
+
+`trinity-dagster run`/`demo` write them under the run root; `dagster dev` users copy them
+into their own `DAGSTER_HOME` (the README shows how). Why each setting:
+- the queued run coordinator dequeues every second, so a run starts about a second after
+  the sensor asks for it;
+- run monitoring frees the concurrency slots of a run whose worker was killed, so the
+  engine pool (limit 1) never stays claimed by a dead run;
+- run retries restart a run whose worker crashed (not one whose step failed: an error in
+  the loop fails the run and stays visible); the loops resume from what is on disk;
+- pools default to a limit of 1: every op that drives the engine is in the `engine` pool.
+No dagster import here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+INSTANCE_YAML = """\
+# Dagster instance of a trinity-dagster run (SQLite storage in this directory).
+telemetry:
+  enabled: false
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: QueuedRunCoordinator
+  config:
+    dequeue_interval_seconds: 1
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  free_slots_after_run_end_seconds: 5
+run_retries:
+  enabled: true
+  max_retries: 3
+  retry_on_asset_or_op_failure: false
+concurrency:
+  pools:
+    default_limit: 1
+"""
+
+
+def write_instance_yaml(dagster_home: Path) -> Path:
+    """Write the instance settings into `dagster_home` (kept if the file already exists)."""
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    path = dagster_home / "dagster.yaml"
+    if not path.exists():
+        path.write_text(INSTANCE_YAML)
+    return path

@@ -1,0 +1,170 @@
+"""The built-in explorer as one long-lived loop over explore steps (the trainer loop's peer).
+
+For each explore step E it waits for the weights E may use, explores (or writes
+demonstrations during the SFT warm-up, which need no weights), writes the experiences and
+reports the step. The model stays loaded between steps. Weights:
+- `sync_style: fixed`: E runs with at least version `explorer_weights_version(E)`
+  (`sync_interval`, `sync_offset`);
+- `sync_style: explorer_driven`: after every `sync_interval` explore steps it asks the
+  trainer for newer weights (`trainer.sync_requests`) and goes on once answered.
+It waits at most `synchronizer.sync_timeout` seconds for weights, and stops when the trainer
+stopped: normally if the trainer finished, with `TrainerStoppedError` if it failed. When the
+task set is used up (`buffer.total_epochs`) or every explore step the trainer needs is done,
+it marks the end of data, so a trainer waiting for more stops cleanly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+from statistics import fmean
+from typing import Any
+
+from trinity_dagster.buffer.end_of_data import mark_end_of_data
+from trinity_dagster.buffer.writer import ExperienceWriter
+from trinity_dagster.checkpoint.layout import latest_weights_version
+from trinity_dagster.checkpoint.rules import explore_steps_needed, explorer_weights_version
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.explorer.demonstrations import demonstration_rows
+from trinity_dagster.explorer.explorer import Explorer
+from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer.run_state import read_trainer_state
+from trinity_dagster.trainer.sync_requests import is_answered, request_sync
+
+POLL_S = 0.05
+ALREADY_IN_TABLE = "already in the experiences table"
+
+
+class TrainerStoppedError(RuntimeError):
+    """The trainer failed, so the weights this explorer waits for will never come."""
+
+
+class ExplorerLoop:
+    """Explores steps in order with one loaded model; `run` returns why it stopped."""
+
+    def __init__(
+        self,
+        config: TrinityConfig,
+        explorer_id: str = "explorer-0",
+        on_step: Callable[[int, dict[str, Any]], None] = lambda step, metadata: None,
+    ) -> None:
+        self.config = config
+        self.paths = RunPaths.of(config.run_root)
+        self.explorer_id = explorer_id
+        self.on_step = on_step
+        create_initial_model(config, self.paths)
+        self.explorer = Explorer(config, self.paths, explorer_id)
+        self._started_at = time.time()
+
+    def run(self, first: int, last: int, done: Collection[int] = ()) -> str:
+        """Explore steps `first..last`, skipping those in `done`; returns why it stopped."""
+        needed = explore_steps_needed(self.config)
+        available = self.explorer.steps_available()
+        for step in range(first, last + 1):
+            if step in done:
+                continue
+            if available is not None and step > available:
+                reason = (
+                    f"the task set is used up after {available} explore steps "
+                    f"(buffer.total_epochs {self.config.buffer.total_epochs})"
+                )
+                mark_end_of_data(self.paths, self.explorer_id, reason)
+                return reason
+            stopped = self.explore_step(step)
+            if stopped is not None:
+                return stopped
+        if last >= needed:
+            reason = f"explored all {needed} steps that trainer.total_steps needs"
+            mark_end_of_data(self.paths, self.explorer_id, reason)
+            return reason
+        return f"explored up to step {last}, the end of the requested range"
+
+    def explore_step(self, step: int) -> str | None:
+        """Explore one step and report it; returns why the loop stops, or None to go on."""
+        config = self.config
+        demonstrations = step <= config.trainer.sft_warmup_steps
+        if demonstrations:
+            version = latest_weights_version(self.paths) or 0
+            rows = demonstration_rows(
+                config, config.buffer.train_batch_size, seed=step, model_version=version
+            )
+        else:
+            waited = self._wait_for_weights(step)
+            if isinstance(waited, str):
+                return waited
+            version = waited
+            rows = self.explorer.explore(step, version)
+        report = ExperienceWriter(config, known_versions=lambda: set(range(version + 1))).write(
+            rows
+        )
+        if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
+            raise ValueError(
+                f"explore step {step}: every experience was quarantined: "
+                + "; ".join(str(r) for r in report.reasons[:5])
+            )
+        rewards = [row["reward"] for row in rows]
+        self.on_step(
+            step,
+            {
+                "weights_version": version,
+                "demonstrations": demonstrations,
+                **report.as_metadata(),
+                "already_written": report.written == 0,
+                "reward_mean": fmean(rewards),
+                "accuracy": fmean(1.0 if r >= 1.0 else 0.0 for r in rewards),
+            },
+        )
+        if not demonstrations and self._asks_for_sync(step):
+            return self._request_sync(version)
+        return None
+
+    def _asks_for_sync(self, step: int) -> bool:
+        sync = self.config.synchronizer
+        return sync.sync_style == "explorer_driven" and step % sync.sync_interval == 0
+
+    def _wait_for_weights(self, step: int) -> int | str:
+        """The weights version step E runs with, or why the loop stops."""
+        sync = self.config.synchronizer
+        needed = 0
+        if sync.sync_style == "fixed":
+            needed = explorer_weights_version(
+                step, sync_interval=sync.sync_interval, sync_offset=sync.sync_offset
+            )
+        return self._wait(
+            lambda: (latest_weights_version(self.paths) or 0) >= needed,
+            f"explore step {step} needs weights version >= {needed}",
+        ) or (latest_weights_version(self.paths) or 0)
+
+    def _request_sync(self, have_version: int) -> str | None:
+        """Ask the trainer for newer weights and wait for the answer (explorer-driven)."""
+        request = request_sync(self.paths, self.explorer_id, have_version)
+        stopped = self._wait(
+            lambda: is_answered(request),
+            f"the sync request of explorer {self.explorer_id} (holding version {have_version})",
+        )
+        return stopped or None
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> str:
+        """Wait until `ready()`; returns "" then, or why the loop stops (trainer finished)."""
+        deadline = time.monotonic() + self.config.synchronizer.sync_timeout
+        while not ready():
+            state = read_trainer_state(self.paths)
+            if state is not None and state.state == "failed":
+                raise TrainerStoppedError(f"{what}, but the trainer failed: {state.reason}")
+            if state is not None and state.state == "finished" and self._finished_now(state.step):
+                return f"the trainer finished ({state.reason})"
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{what}; none came within synchronizer.sync_timeout "
+                    f"({self.config.synchronizer.sync_timeout:g} s)"
+                )
+            time.sleep(POLL_S)
+        return ""
+
+    def _finished_now(self, step: int) -> bool:
+        """A finished state counts unless it is left from a shorter run on this root."""
+        state = read_trainer_state(self.paths)
+        return state is not None and (
+            state.updated_at >= self._started_at or step >= self.config.trainer.total_steps
+        )

@@ -1,0 +1,181 @@
+"""`TrainEngineWrapper` (the engine seam of Trinity-RFT's trainer) and the engine service's one.
+
+The trainer loop talks to an engine only through this interface. `get_trainer_wrapper`
+returns `ServiceEngineWrapper`, a thin client of the persistent Megatron-core engine service
+(`trinity_dagster.service`): the model lives in the service, batches are read there from
+Delta by step, and each call is one HTTP request. Another engine plugs in by implementing
+the ABC. No torch here.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from trinity_dagster.buffer.sampler import PinResult
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.service.client import EngineClient, EngineUnreachable
+from trinity_dagster.service.launcher import connect
+
+T = TypeVar("T")
+POLL_S = 0.2
+
+
+class TrainEngineWrapper(ABC):
+    """What the trainer loop needs of a training engine (Trinity-RFT's `TrainEngineWrapper`)."""
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Connect to (or start) the engine; afterwards `train_step_num` is its step."""
+
+    @property
+    @abstractmethod
+    def train_step_num(self) -> int:
+        """The last step the engine trained (0 before the first)."""
+
+    @property
+    @abstractmethod
+    def last_sync_step(self) -> int:
+        """The newest weights version the engine published to explorers."""
+
+    @abstractmethod
+    def train_step(self, batch: PinResult) -> dict[str, Any]:
+        """Train the step `batch` is pinned to; returns the step's record (`metrics` inside)."""
+
+    @abstractmethod
+    def save_checkpoint(
+        self,
+        block_until_saved: bool = False,
+        save_as_hf: bool = False,
+        serves_as_sync: bool = False,
+    ) -> dict[str, Any]:
+        """Save a full checkpoint of the current step (in the background unless blocking)."""
+
+    @abstractmethod
+    def sync_weight(self) -> dict[str, Any]:
+        """Send the current weights to explorers over a collective (sync_method `nccl`)."""
+
+    @abstractmethod
+    def upload_state_dict(self) -> dict[str, Any]:
+        """Hand the current weights to explorers in memory (sync_method `memory`)."""
+
+    @abstractmethod
+    def save_state_dict(self) -> dict[str, Any]:
+        """Publish the current weights as files explorers load (sync_method `checkpoint`)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections (the engine itself keeps running)."""
+
+
+class ServiceEngineWrapper(TrainEngineWrapper):
+    """The Megatron-core engine service of the run, through its control API.
+
+    If the service dies during a call (a crash, kill -9), it is started again (it resumes
+    from the newest complete checkpoint and replays recorded steps) and the call is repeated
+    once. Engine errors raise `EngineError` with the engine's message and traceback.
+    """
+
+    def __init__(self, config: TrinityConfig, *, autostart: bool = True) -> None:
+        self.config = config
+        self.autostart = autostart
+        self._client: EngineClient | None = None
+        self._step = 0
+        self._last_sync_step = 0
+
+    def prepare(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> dict[str, Any]:
+        """Read the engine's status (step, weights version, pending saves)."""
+        status = self._call(lambda c: c.status())
+        self._step = int(status["step"])
+        self._last_sync_step = int(status["weights_version"])
+        return status
+
+    @property
+    def train_step_num(self) -> int:
+        return self._step
+
+    @property
+    def last_sync_step(self) -> int:
+        return self._last_sync_step
+
+    def train_step(self, batch: PinResult) -> dict[str, Any]:
+        record = self._call(lambda c: c.train_step(batch.step))
+        self._step = max(self._step, batch.step)
+        return record
+
+    def save_checkpoint(
+        self,
+        block_until_saved: bool = False,
+        save_as_hf: bool = False,
+        serves_as_sync: bool = False,
+    ) -> dict[str, Any]:
+        step = self._step
+        info = self._call(
+            lambda c: c.save_checkpoint(
+                step, block=block_until_saved, hf=save_as_hf, serves_as_sync=serves_as_sync
+            )
+        )
+        if serves_as_sync:
+            self._last_sync_step = step
+        return info
+
+    def save_state_dict(self) -> dict[str, Any]:
+        step = self._step
+        info = self._call(lambda c: c.sync_weight(step))
+        self._last_sync_step = step
+        return info
+
+    def sync_weight(self) -> dict[str, Any]:
+        raise NotImplementedError("sync_method 'nccl' is not implemented yet (GPU path)")
+
+    def upload_state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("sync_method 'memory' is not implemented yet")
+
+    def wait_for_checkpoint(self, step: int, *, hf: bool) -> dict[str, Any]:
+        """Make sure a complete checkpoint of `step` exists, polling one saved in the background."""
+        return self._until_done(lambda c: c.save_checkpoint(step, block=False, hf=hf))
+
+    def publish(self, step: int) -> dict[str, Any]:
+        """Make sure weights version `step` are published (waiting for a save serving as it)."""
+        return self._until_done(lambda c: c.sync_weight(step))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _connected(self, *, autostart: bool) -> EngineClient:
+        if self._client is None:
+            self._client = connect(self.config, autostart=autostart)
+        return self._client
+
+    def _call(self, call: Callable[[EngineClient], T]) -> T:
+        try:
+            return call(self._connected(autostart=self.autostart))
+        except EngineUnreachable:
+            if not self.autostart:
+                raise
+        # the service died mid-call: start it again (it resumes from the newest complete
+        # checkpoint and replays recorded steps) and repeat the call once
+        self.close()
+        return call(self._connected(autostart=True))
+
+    def _until_done(self, call: Callable[[EngineClient], dict[str, Any]]) -> dict[str, Any]:
+        deadline = time.monotonic() + self.config.service.request_timeout_s
+        while True:
+            result = self._call(call)
+            if not result.get("pending"):
+                return result
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still pending after service.request_timeout_s: {result}")
+            time.sleep(POLL_S)
+
+
+def get_trainer_wrapper(config: TrinityConfig) -> TrainEngineWrapper:
+    """The engine for `config`: the Megatron-core engine service of its run root."""
+    return ServiceEngineWrapper(config)

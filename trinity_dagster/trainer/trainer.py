@@ -1,0 +1,300 @@
+"""`Trainer`: Trinity-RFT's trainer loop over a `TrainEngineWrapper`, the one loop of this project.
+
+`train()` repeats: sample the next batch (waiting for explorers, and serving their sync
+requests meanwhile), train it, sync the weights to explorers when due, save a checkpoint when
+due (in the background; a save at a sync step serves as the sync under sync_method
+`checkpoint`), report the step to the hook. It stops at `trainer.total_steps`, or early when
+no more data will come (an explorer marked the end of data, or nothing new arrived for
+`buffer.read_timeout_s`), and then always makes a final, blocking save, with a Hugging Face
+export unless `trainer.save_hf_checkpoint` is `never`. Errors propagate: they end the loop
+with the trainer state `failed` and the exception raised to the caller.
+
+The Dagster graph runs this loop in its long-lived trainer run and passes a hook that logs
+`experience_batch[N]`, `train_step[N]` and `synced_weights[N]`; Python users call
+`asyncio.run(Trainer(config).run())` without Dagster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from trinity_dagster.buffer.end_of_data import end_of_data
+from trinity_dagster.buffer.sampler import PinResult, pin_batch
+from trinity_dagster.checkpoint import rules
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
+from trinity_dagster.trainer.run_state import DATA_ENDED, write_trainer_state
+from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, pending_requests
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+MAX_POLL_S = 0.5
+
+
+class SyncWithheldError(RuntimeError):
+    """Weights due for explorers failed the step's health checks; training stops."""
+
+    def __init__(self, step: int, problems: list[str]) -> None:
+        super().__init__(
+            f"weights of step {step} are withheld from explorers: {'; '.join(problems)}; "
+            "training stops here (the explorers would otherwise wait for them forever)"
+        )
+        self.step = step
+        self.problems = problems
+
+
+class TrainerHook:
+    """Receives what the loop did; the Dagster graph logs materialisations from it."""
+
+    def on_batch(self, step: int, batch: PinResult) -> None:
+        """Step N's batch is pinned."""
+
+    def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """Step N trained (`record` from the engine), synced and saved as due (`metrics`)."""
+
+    def on_sync(self, step: int, info: dict[str, Any]) -> None:
+        """Weights version N are published to explorers."""
+
+
+@contextmanager
+def timer(metrics: dict[str, Any], name: str) -> Iterator[None]:
+    """Add the seconds the block took to `metrics[name]`."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[name] = metrics.get(name, 0.0) + time.perf_counter() - started
+
+
+class Trainer:
+    """Consumes experiences and trains (Trinity-RFT's `Trainer`)."""
+
+    def __init__(
+        self,
+        config: TrinityConfig,
+        engine: TrainEngineWrapper | None = None,
+        hook: TrainerHook | None = None,
+    ) -> None:
+        self.config = config
+        self.paths = RunPaths.of(config.run_root)
+        self.engine = engine if engine is not None else get_trainer_wrapper(config)
+        self.hook = hook or TrainerHook()
+        self.total_steps = config.trainer.total_steps
+        self.save_interval = config.trainer.save_interval
+        self.save_hf_checkpoint = config.trainer.save_hf_checkpoint
+        self.last_sync_step = 0
+        self._last_record: dict[str, Any] | None = None
+
+    @property
+    def train_step_num(self) -> int:
+        """The last step the engine trained."""
+        return self.engine.train_step_num
+
+    async def prepare(self) -> None:
+        """Connect to the engine and take its step and sync bookkeeping."""
+        self.engine.prepare()
+        self.last_sync_step = self.engine.last_sync_step
+        write_trainer_state(self.paths, "running", self.train_step_num)
+
+    async def run(self, last_step: int | None = None) -> str:
+        """`prepare()`, `train(last_step)`, `shutdown()`; returns why training stopped."""
+        await self.prepare()
+        try:
+            return await self.train(last_step)
+        finally:
+            await self.shutdown()
+
+    async def train(self, last_step: int | None = None) -> str:
+        """Train until `trainer.total_steps` (or `last_step`) or the end of data.
+
+        Returns why it stopped. Reaching `total_steps` or the end of data ends with the
+        final blocking save; stopping at `last_step` (a range of steps) does not.
+        """
+        end = self.total_steps if last_step is None else min(last_step, self.total_steps)
+        try:
+            reason, final = await self._loop(end)
+            if final:
+                self.save_checkpoint(
+                    block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never"
+                )
+                write_trainer_state(self.paths, "finished", self.train_step_num, reason)
+        except BaseException as err:
+            write_trainer_state(
+                self.paths, "failed", self.train_step_num, f"{type(err).__name__}: {err}"
+            )
+            raise
+        log.info("trainer stopped at step %d: %s", self.train_step_num, reason)
+        return reason
+
+    async def _loop(self, end: int) -> tuple[str, bool]:
+        """Train up to step `end`; returns (why it stopped, whether a final save is due)."""
+        # a save or sync owed by the step an earlier (killed) run trained
+        await self._finish_step(final=self.train_step_num == self.total_steps)
+        while self.train_step_num < end:
+            metrics: dict[str, Any] = {}
+            started = time.perf_counter()
+            try:
+                with timer(metrics, "time/read_experience"):
+                    batch = await self._sample_data()
+            except StopAsyncIteration as ended:
+                return f"{DATA_ENDED} after step {self.train_step_num}: {ended}", True
+            step = batch.step
+            self.hook.on_batch(step, batch)
+            metrics.update(await self.train_step(batch))
+            metrics.update(await self._finish_step(final=step == self.total_steps))
+            metrics["time/step"] = time.perf_counter() - started
+            assert self._last_record is not None
+            self.hook.on_step(step, self._last_record, metrics)
+        if end == self.total_steps:
+            return f"trained all {self.total_steps} steps (trainer.total_steps)", True
+        return f"trained up to step {end}, the end of the requested range", False
+
+    async def _finish_step(self, *, final: bool) -> dict[str, Any]:
+        """Sync and save the current step as due; the final save is left to `train`."""
+        metrics: dict[str, Any] = {}
+        if self.train_step_num == 0:
+            return metrics
+        if self.need_save() and not final:
+            metrics.update(self.save_checkpoint(save_as_hf=self.save_hf_checkpoint == "always"))
+        if final and self._checkpoint_sync():
+            return metrics  # the final save serves as the sync
+        metrics.update(await self._serve_sync(requests=None))
+        return metrics
+
+    async def _serve_sync(self, requests: list[SyncRequest] | None) -> dict[str, Any]:
+        """Sync if due, then answer the explorers' pending requests."""
+        if requests is None:
+            requests = self._requests()
+        metrics: dict[str, Any] = {}
+        if self._sync_due(requests):
+            metrics.update(await self.sync_weight())
+        answer_requests(requests)
+        return metrics
+
+    async def _sample_data(self) -> PinResult:
+        """Pin the next step's batch, waiting for explorers (raises StopAsyncIteration)."""
+        step = self.train_step_num + 1
+        poll = POLL_S
+        last_have, last_growth = -1, time.monotonic()
+        while True:
+            result = pin_batch(self.config, step)
+            if isinstance(result, PinResult):
+                return result
+            ended = end_of_data(self.paths)
+            if ended is not None:
+                result = pin_batch(self.config, step)  # data written just before the end
+                if isinstance(result, PinResult):
+                    return result
+                raise StopAsyncIteration(f"{ended} ({result.message})")
+            if result.have != last_have:
+                last_have, last_growth, poll = result.have, time.monotonic(), POLL_S
+            waited = time.monotonic() - last_growth
+            if waited > self.config.buffer.read_timeout_s:
+                raise StopAsyncIteration(
+                    f"no new experience for {waited:.0f} s (buffer.read_timeout_s); "
+                    f"{result.message}"
+                )
+            await self._serve_sync(requests=None)  # explorers waiting for weights go on
+            await asyncio.sleep(poll)
+            poll = min(poll * 1.5, MAX_POLL_S)
+
+    async def train_step(self, batch: PinResult) -> dict[str, Any]:
+        """Train the step `batch` is pinned to; returns its metrics."""
+        metrics: dict[str, Any] = {}
+        with timer(metrics, "time/train_step_call"):
+            self._last_record = self.engine.train_step(batch)
+        metrics.update(self._last_record["metrics"])
+        return metrics
+
+    async def need_sync(self) -> bool:
+        """Whether the current step's weights go to explorers now (`synchronizer` rules)."""
+        return self._sync_due(self._requests())
+
+    def need_save(self) -> bool:
+        """Whether the current step saves a checkpoint (every `trainer.save_interval` steps)."""
+        return self.save_interval > 0 and self.train_step_num % self.save_interval == 0
+
+    async def sync_weight(self) -> dict[str, Any]:
+        """Send the current weights to explorers by `synchronizer.sync_method`."""
+        step = self.train_step_num
+        self._refuse_withheld(step)
+        metrics: dict[str, Any] = {}
+        method = self.config.synchronizer.sync_method
+        with timer(metrics, "time/sync_weight"):
+            if method == "checkpoint":
+                info = self.engine.save_state_dict()
+            elif method == "memory":
+                info = self.engine.upload_state_dict()
+            else:
+                info = self.engine.sync_weight()
+        self.last_sync_step = step
+        self.hook.on_sync(step, info)
+        return metrics
+
+    def save_checkpoint(
+        self, block_until_saved: bool = False, save_as_hf: bool = False
+    ) -> dict[str, Any]:
+        """Save a full checkpoint of the current step; only a blocking one waits for it.
+
+        Under sync_method `checkpoint`, a save at a step whose sync is due serves as the
+        sync: its HF export becomes the published weights, written once.
+        """
+        metrics: dict[str, Any] = {}
+        if self.train_step_num == 0:
+            return metrics
+        serves = self._checkpoint_sync() and self._sync_due(self._requests())
+        if serves:
+            self._refuse_withheld(self.train_step_num)
+        with timer(metrics, "time/save_checkpoint"):
+            self.engine.save_checkpoint(
+                block_until_saved=block_until_saved,
+                save_as_hf=save_as_hf or serves,
+                serves_as_sync=serves,
+            )
+        if serves:
+            self.last_sync_step = self.train_step_num
+            answer_requests(self._requests())
+        return metrics
+
+    async def shutdown(self) -> None:
+        """Release the engine connection (the engine service keeps running until idle)."""
+        self.engine.close()
+
+    async def is_alive(self) -> bool:
+        """Whether the engine answers."""
+        try:
+            self.engine.prepare()
+        except Exception:
+            return False
+        return True
+
+    def _checkpoint_sync(self) -> bool:
+        return self.config.synchronizer.sync_method == "checkpoint"
+
+    def _requests(self) -> list[SyncRequest]:
+        if self.config.synchronizer.sync_style != "explorer_driven":
+            return []
+        return pending_requests(self.paths)
+
+    def _sync_due(self, requests: list[SyncRequest]) -> bool:
+        sync = self.config.synchronizer
+        step = self.train_step_num
+        return rules.need_sync(
+            step,
+            sync_interval=sync.sync_interval,
+            last_sync_step=min(self.last_sync_step, step),
+            style=sync.sync_style,
+            explorer_requested=any(r.have_version < step for r in requests),
+        )
+
+    def _refuse_withheld(self, step: int) -> None:
+        record = self._last_record
+        if record is not None and record["step"] == step and record["health_problems"]:
+            raise SyncWithheldError(step, record["health_problems"])
