@@ -13,9 +13,11 @@ A run killed with its worker is retried by Dagster's run retries (see
 sensors then say why they wait. Run keys make every request unique.
 """
 
+import re
 from collections.abc import Sequence
 
 import dagster as dg
+import psutil
 
 from assets.explore import EVALUATION, ROLLOUTS
 from assets.jobs import evaluation_job, rollouts_job, train_job
@@ -45,6 +47,7 @@ _INTERVAL = _config.dagster.sensor_interval_s
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 WILL_RETRY = "dagster/will_retry"
+WORKER_PID = re.compile(r"Started process for run \(pid: (\d+)\)")
 BUSY = (
     dg.DagsterRunStatus.QUEUED,
     dg.DagsterRunStatus.NOT_STARTED,
@@ -68,12 +71,42 @@ def training_finished(run_config: RunConfigResource) -> TrainerState | None:
     return None
 
 
+def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
+    """The pid of a started run's worker process if that process is gone, else None.
+
+    Runs are launched on this machine (the default run launcher); a worker killed together
+    with `dagster dev` or the daemon leaves its run STARTED, which nothing else notices.
+    """
+    records = instance.get_records_for_run(
+        run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT
+    ).records
+    pids = [
+        int(match.group(1))
+        for record in records
+        if (match := WORKER_PID.search(record.event_log_entry.message or ""))
+    ]
+    if not pids:
+        return None
+    try:
+        alive = psutil.Process(pids[-1]).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        alive = False
+    return None if alive else pids[-1]
+
+
 def why_not_launch(instance: dg.DagsterInstance, job_name: str) -> str | None:
-    """Why a new run of `job_name` must not start now (None: it may)."""
+    """Why a new run of `job_name` must not start now (None: it may).
+
+    A started run whose worker died is marked failed here, so Dagster's run retries start
+    it again.
+    """
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name), limit=1)
     if not runs:
         return None
     last = runs[0]
+    if last.status == dg.DagsterRunStatus.STARTED and (pid := worker_gone(instance, last)):
+        instance.report_run_failed(last, f"the run worker (pid {pid}) is gone; retrying")
+        return f"{job_name} run {last.run_id} lost its worker (pid {pid}); it will be retried"
     if last.status in BUSY:
         return f"{job_name} run {last.run_id} is {last.status.value.lower()}"
     if last.status == dg.DagsterRunStatus.FAILURE:

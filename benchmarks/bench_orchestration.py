@@ -1,18 +1,25 @@
-"""Benchmark of Dagster orchestration overhead on training steps (tiny model, CPU).
+"""Benchmark of Dagster orchestration overhead on training steps (engine-benchmark model, CPU).
 
-The same N steps on the same experiences are trained three ways, each in a fresh run root
-and a fresh Python process (the code location reads its config at import), with the engine
-service started and warmed (`status`) before the clock starts:
-- direct: `EngineClient.train_step(1..N)` straight to the engine (the baseline);
+The model and batch are those of `bench_engine.py` (hidden 512, 4 layers, 8 heads, vocab
+8192, 8 full-length rows of 256 tokens, one micro-batch), so a step is seconds of engine work
+and the ratio says what orchestration costs on a real step, not on a no-op one. The same N
+steps on the same experiences are trained three ways, each in a fresh run root and a fresh
+Python process (the code location reads its config at import), with the engine service
+started and warmed (`status`) before the clock starts:
+- direct: `EngineClient.train_step(n)` then `.sync_weight(n)` for n = 1..N, straight to the
+  engine (the baseline);
 - ranged: ONE single-run-backfill run of `train_job` over steps 1..N, executed in process on
-  a real SQLite instance: it pins (a no-op here), reads each batch for its metadata, trains,
-  and logs one materialisation and the checks per step;
-- per-run: N runs of `train_job`, one per step, as the sensors launch them (run key tag),
+  a real SQLite instance: the `train` multi-asset runs `Trainer.train` over the range, which
+  pins (a no-op here), reads each batch for its metadata, trains, syncs, and logs
+  `experience_batch`, `train_step` and `synced_weights` per step and the checks at the end;
+- per-run: N runs of `train_job`, one per step, as a sensor would launch them (run key tag),
   also in process, so a real daemon's process launch per run (~ an import of dagster and the
   code location) comes on top.
 The batches are pinned beforehand for all three, so every path trains on identical rows and
-pinning is not timed. Each step publishes its weights (sync_interval 1); no checkpoint is
-saved. The ways run in the order A B C C B A ... (`--repeats`), and the fastest run of each
+pinning is not timed. Each step publishes its weights (sync_interval 1, the `sync_weight`
+call); no checkpoint is saved. The engine's own seconds per step (`time/train_step` +
+`time/load_batch` of the step records under `logs/steps/`) are read the same way for all
+three. The ways run in the order A B C C B A ... (`--repeats`), and the fastest run of each
 way counts, which damps the noise of a shared machine. Figures: `ranged_vs_direct_ratio`
 (goal <= 1.05) and `per_run_overhead_s` (per-run seconds per step minus direct seconds per
 step).
@@ -33,43 +40,119 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config  # noqa: E402
+from tests.run_helpers import pin_steps, tiny_config  # noqa: E402
 from trinity_dagster.config import TrinityConfig  # noqa: E402
 from trinity_dagster.paths import RunPaths  # noqa: E402
 from trinity_dagster.service.launcher import connect, stop_service  # noqa: E402
+from trinity_dagster.service.records import read_record  # noqa: E402
 
 PHASES = ("direct", "ranged", "per_run")
+# the model and batch of bench_engine.py (its defaults): a step is seconds of engine work
+SEQ = 256
+MODEL = {
+    "hidden_size": 512,
+    "ffn_hidden_size": 1408,
+    "num_layers": 4,
+    "num_attention_heads": 8,
+    "num_query_groups": 4,
+    "vocab_size": 8192,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2 * SEQ,
+    "max_prompt_tokens": SEQ // 2,
+    "max_response_tokens": SEQ // 2,
+}
+BATCH_ROWS = 8
+GROUP = 4
+ENGINE_TIMES = ("time/train_step", "time/load_batch")
+
+
+def _rows(config: TrinityConfig, steps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Full-length GRPO rows (half prompt, half response) for `steps` steps, as in
+    `benchmarks.synthetic.grpo_batch`: GRPO groups of `GROUP` rows with varied rewards."""
+    import random
+    import uuid
+    from datetime import UTC, datetime
+
+    rng = random.Random(seed)
+    vocab = config.model.vocab_size
+    half = SEQ // 2
+    rows = []
+    for g in range(steps * BATCH_ROWS // GROUP):
+        prompt = [rng.randrange(3, vocab) for _ in range(half)]
+        for r in range(GROUP):
+            rows.append(
+                {
+                    "eid": str(uuid.UUID(int=rng.getrandbits(128))),
+                    "task_id": f"t{g}",
+                    "group_id": f"g{g}",
+                    "explorer_id": "bench",
+                    "tokens": prompt + [rng.randrange(3, vocab) for _ in range(half)],
+                    "prompt_length": half,
+                    "action_mask": [True] * half,
+                    "logprobs": [-rng.uniform(8.5, 9.5) for _ in range(half)],
+                    "reward": float(r % 2) + rng.random() * 0.1,
+                    "advantages": None,
+                    "returns": None,
+                    "model_version": 0,
+                    "created_at": datetime.now(UTC),
+                    "info": "{}",
+                }
+            )
+    return rows
 
 
 def _prepare(root: Path, steps: int) -> TrinityConfig:
-    """A tiny run with experiences for `steps` steps, all pinned; the service warmed."""
+    """A run of the engine-benchmark model with `steps` steps of experiences, all pinned;
+    the service warmed."""
+    from trinity_dagster.buffer.writer import ExperienceWriter
+
     root.mkdir(parents=True)
     # weights are published every step (sync_interval 1); no checkpoint is written, as a
     # background save overlapping later steps makes the timings noisy
-    trainer = {"total_steps": steps + 1000, "save_interval": 0}
-    config, _ = tiny_config(root, {"trainer": trainer, "synchronizer": {"sync_interval": 1}})
-    fill_buffer(config, steps)
+    extra = {
+        "model": MODEL,
+        "algorithm": {"repeat_times": GROUP, "recompute_old_logprobs": False},
+        "buffer": {"train_batch_size": BATCH_ROWS},
+        "trainer": {
+            "total_steps": steps + 1000,
+            "save_interval": 0,
+            "micro_batch_size": BATCH_ROWS,
+            "optim": {"lr": 1e-5},
+        },
+        "synchronizer": {"sync_interval": 1},
+    }
+    config, _ = tiny_config(root, extra)
+    report = ExperienceWriter(config).write(_rows(config, steps))
+    assert report.quarantined == 0, report
     pin_steps(config, range(1, steps + 1))
     with connect(config) as client:
         assert client.status()["step"] == 0
     return config
 
 
-def _engine_seconds(metrics: dict[str, Any]) -> float:
-    """The engine's own time for a step: the sum of its `time/*` metrics."""
-    return sum(float(value) for name, value in metrics.items() if name.startswith("time/"))
+def _engine_seconds(config: TrinityConfig, steps: int) -> float:
+    """The engine's own time for steps 1..N, from their records (train + batch load)."""
+    paths = RunPaths.of(config.run_root)
+    total = 0.0
+    for step in range(1, steps + 1):
+        record = read_record(paths, step)
+        assert record is not None, f"step {step} has no record"
+        total += sum(float(record["metrics"].get(name, 0.0)) for name in ENGINE_TIMES)
+    return total
 
 
 def _direct(config: TrinityConfig, steps: int) -> tuple[float, float]:
     with connect(config) as client:
         started = time.perf_counter()
-        records = [client.train_step(step) for step in range(1, steps + 1)]
+        for step in range(1, steps + 1):
+            client.train_step(step)
+            client.sync_weight(step)
         seconds = time.perf_counter() - started
-    return seconds, sum(_engine_seconds(record["metrics"]) for record in records)
+    return seconds, _engine_seconds(config, steps)
 
 
 def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, float]:
-    from trinity_dagster.commands.loop import prepare_instance
+    from trinity_dagster.commands.training_run import prepare_instance
 
     prepare_instance(config)
     import dagster as dg
@@ -93,19 +176,14 @@ def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, fl
         assert result.success
     else:
         for key in keys:
-            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": "data_sensor"}
+            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": "trainer_sensor"}
             result = job.execute_in_process(instance=instance, partition_key=key, tags=tags)
             assert result.success
     seconds = time.perf_counter() - started
     events = instance.fetch_materializations(dg.AssetKey("train_step"), limit=steps + 1).records
-    metadata = {
-        record.asset_materialization.partition: {
-            name: value.value for name, value in record.asset_materialization.metadata.items()
-        }
-        for record in events
-    }
-    assert sorted(metadata) == keys, f"trained partitions {sorted(metadata)} != {keys}"
-    return seconds, sum(_engine_seconds(meta) for meta in metadata.values())
+    trained = sorted(record.asset_materialization.partition for record in events)
+    assert trained == keys, f"trained partitions {trained} != {keys}"
+    return seconds, _engine_seconds(config, steps)
 
 
 def run_phase(phase: str, root: Path, steps: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from tests.dagster_dev_helpers import (
     processes_with_env,
 )
 from tests.run_helpers import fill_buffer, tiny_config
-from trinity_dagster.commands.loop import INSTANCE_YAML
+from trinity_dagster.dagster_instance import INSTANCE_YAML
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 

@@ -1,0 +1,218 @@
+"""End to end through the real Dagster daemon: `dagster dev` with sensors on trains unattended.
+
+The reference is the same configuration run by `trinity-dagster run` (which starts
+`dagster-daemon` itself). Each test then drives a `dagster dev` on a fresh instance with the
+settings `trinity-dagster` writes, and checks: every step trained exactly once, the final
+checkpoint complete with its manifest and HF export, the pointer files, and final weights
+bit-identical to the reference. Two of them kill things on the way: the trainer run's
+worker mid-step, and the daemon (then the whole `dagster dev`, restarted after).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import dagster as dg
+import psutil
+import pytest
+import yaml
+
+from tests.dagster_dev_helpers import REPO_ROOT, DagsterDev
+from tests.run_helpers import TINY, merge
+from trinity_dagster.checkpoint.layout import (
+    checkpoint_dir,
+    latest_checkpoint_step,
+    latest_weights_version,
+)
+from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.config import load_config
+from trinity_dagster.dagster_instance import write_instance_yaml
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.service.records import read_record
+from trinity_dagster.trainer.run_state import read_trainer_state
+
+pytestmark = pytest.mark.slow
+
+TOTAL_STEPS = 6
+LOOP_TIMEOUT_S = 420.0
+SETTINGS = {
+    "trainer": {"total_steps": TOTAL_STEPS, "save_interval": 3, "sft_warmup_steps": 2},
+    "explorer": {"tasks_per_step": 2, "eval_tasks": 8},
+    "dagster": {"sensor_interval_s": 1},
+}
+
+
+def write_config(root: Path) -> Path:
+    """The test's configuration with its run root under `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    file = root / "config.yaml"
+    file.write_text(yaml.safe_dump(merge(TINY, {**SETTINGS, "run_root": str(root / "run")})))
+    return file
+
+
+def final_weights(paths: RunPaths) -> bytes:
+    """The final checkpoint's exported weights, checked complete on the way."""
+    assert latest_checkpoint_step(paths) == TOTAL_STEPS
+    assert latest_weights_version(paths) == TOTAL_STEPS
+    ckpt = checkpoint_dir(paths, TOTAL_STEPS)
+    verify_checkpoint(ckpt, checksums=True)
+    return (ckpt / "huggingface" / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """Final weights of the configuration trained by `trinity-dagster run`."""
+    config_file = write_config(tmp_path_factory.mktemp("reference"))
+    command = [str(Path(sys.executable).parent / "trinity-dagster"), "run", "-c", str(config_file)]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=LOOP_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    paths = RunPaths.of(load_config(config_file).run_root)
+    summary = json.loads((paths.root / "summary.json").read_text())
+    assert summary["steps"] == TOTAL_STEPS and summary["hf_model"], summary
+    return final_weights(paths)
+
+
+class Loop:
+    """A `dagster dev` on a fresh instance of the test's configuration, sensors on."""
+
+    def __init__(self, root: Path) -> None:
+        self.config_file = write_config(root)
+        self.paths = RunPaths.of(load_config(self.config_file).run_root)
+        write_instance_yaml(self.paths.dagster_home)
+        self.devs: list[DagsterDev] = []
+
+    def start(self) -> DagsterDev:
+        log = self.paths.root / f"dagster_dev_{len(self.devs)}.log"
+        dev = DagsterDev(self.paths.dagster_home, self.config_file, log)
+        self.devs.append(dev)
+        dev.start()
+        dev.wait_until_up(timeout_s=180)
+        return dev
+
+    def stop(self) -> None:
+        for dev in self.devs:
+            dev.stop()
+        stop_service(self.paths)
+
+    def wait(self, what: str, ready, timeout_s: float = LOOP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                tail = self.devs[-1].log_tail(40) if self.devs else ""
+                state = read_trainer_state(self.paths)
+                raise AssertionError(f"timed out waiting for {what} (trainer: {state})\n{tail}")
+            time.sleep(1)
+
+    def finished(self) -> bool:
+        state = read_trainer_state(self.paths)
+        if state is not None and state.state == "failed":
+            raise AssertionError(f"the trainer failed: {state.reason}")
+        return state is not None and state.finished(TOTAL_STEPS)
+
+    def instance(self) -> dg.DagsterInstance:
+        return dg.DagsterInstance.from_config(str(self.paths.dagster_home))
+
+    def check_exactly_once(self) -> None:
+        """One engine record and one `train_step` materialisation per step, no replays."""
+        for step in range(1, TOTAL_STEPS + 1):
+            record = read_record(self.paths, step)
+            assert record is not None and record["step"] == step, step
+        with self.instance() as instance:
+            self.wait_for_checkpoint_record(instance)
+            records = instance.fetch_materializations(dg.AssetKey("train_step"), limit=1000)
+            counts = Counter(r.asset_materialization.partition for r in records.records)
+        assert counts == {f"{s:06d}": 1 for s in range(1, TOTAL_STEPS + 1)}, counts
+        engine_log = (self.paths.logs / "engine.log").read_text()
+        assert "replaying step" not in engine_log
+
+    def wait_for_checkpoint_record(self, instance: dg.DagsterInstance) -> None:
+        key = f"{TOTAL_STEPS:06d}"
+        self.wait(
+            "checkpoint_sensor to record the final checkpoint",
+            lambda: key in instance.get_materialized_partitions(dg.AssetKey("checkpoint")),
+            timeout_s=60,
+        )
+
+
+@pytest.fixture
+def loop(tmp_path: Path):
+    made = Loop(tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def run_worker(paths: RunPaths, job: str) -> psutil.Process | None:
+    """The worker process of the started `job` run, from the pid the run logged."""
+    with dg.DagsterInstance.from_config(str(paths.dagster_home)) as instance:
+        runs = instance.get_runs(
+            filters=dg.RunsFilter(job_name=job, statuses=[dg.DagsterRunStatus.STARTED]), limit=1
+        )
+        if not runs:
+            return None
+        records = instance.get_records_for_run(
+            runs[0].run_id, of_type=dg.DagsterEventType.ENGINE_EVENT
+        ).records
+    for record in records:
+        message = record.event_log_entry.message or ""
+        if "Started process for run (pid: " in message:
+            pid = int(message.split("pid: ")[1].rstrip(")."))
+            if psutil.pid_exists(pid):
+                return psutil.Process(pid)
+    return None
+
+
+def test_daemon_trains_to_the_end_unattended(loop: Loop, reference: bytes) -> None:
+    loop.start()
+    loop.wait("the trainer to finish", loop.finished)
+    loop.check_exactly_once()
+    assert final_weights(loop.paths) == reference
+
+
+def test_killed_trainer_worker_is_retried_and_finishes(loop: Loop, reference: bytes) -> None:
+    loop.start()
+    loop.wait("step 3 to start training", lambda: read_record(loop.paths, 2) is not None)
+    loop.wait(
+        "the trainer run's worker",
+        lambda: run_worker(loop.paths, "train_job") is not None,
+        timeout_s=60,
+    )
+    worker = run_worker(loop.paths, "train_job")
+    assert worker is not None
+    os.kill(worker.pid, signal.SIGKILL)
+    loop.wait("the trainer to finish after the kill", loop.finished)
+    loop.check_exactly_once()
+    assert final_weights(loop.paths) == reference
+    with loop.instance() as instance:
+        runs = instance.get_runs(filters=dg.RunsFilter(job_name="train_job"))
+    assert len(runs) >= 2, "the killed trainer run was not retried"
+
+
+def test_killed_daemon_then_restarted_dagster_dev_finishes(loop: Loop, reference: bytes) -> None:
+    dev = loop.start()
+    loop.wait("step 2 to be trained", lambda: read_record(loop.paths, 2) is not None)
+    assert dev.process is not None
+    daemons = [
+        p
+        for p in psutil.Process(dev.process.pid).children(recursive=True)
+        if "dagster-daemon" in " ".join(p.cmdline())
+    ]
+    assert daemons, "no dagster-daemon process under dagster dev"
+    for daemon in daemons:
+        os.kill(daemon.pid, signal.SIGKILL)
+    dev.stop()  # and with it the run workers of the dagster dev session
+    loop.start()
+    loop.wait("the trainer to finish after the restart", loop.finished)
+    loop.check_exactly_once()
+    assert final_weights(loop.paths) == reference

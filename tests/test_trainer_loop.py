@@ -1,0 +1,577 @@
+"""`Trainer`'s loop over a fake `TrainEngineWrapper` and real Delta batches, without Dagster.
+
+The fake engine records what the loop asked of it (train, save, publish); the batches are
+pinned by the real sampler from experiences written to a tiny run's Delta table. The
+expected schedule of saves and syncs is computed here from Trinity-RFT's rules, independently
+of the trainer code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tests.run_helpers as run_helpers
+from tests.run_helpers import fill_buffer, tiny_config
+from trinity_dagster.buffer.end_of_data import mark_end_of_data
+from trinity_dagster.buffer.sampler import PinResult
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer import SyncWithheldError, TrainEngineWrapper, Trainer, TrainerHook
+from trinity_dagster.trainer.run_state import DATA_ENDED, read_trainer_state
+from trinity_dagster.trainer.sync_requests import is_answered, pending_requests, request_sync
+
+Event = tuple[Any, ...]
+
+
+@pytest.fixture(autouse=True)
+def _no_initial_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synthetic experiences need only a vocabulary size, not the tiny torch model."""
+    monkeypatch.setattr(run_helpers, "vocab_size", lambda config: 96)
+
+
+class PublishFailed(RuntimeError):
+    """Injected: the engine failed while publishing weights (after the weights update)."""
+
+
+class FakeEngine(TrainEngineWrapper):
+    """Records the loop's calls; answers like the engine service does."""
+
+    def __init__(
+        self,
+        *,
+        step: int = 0,
+        last_sync_step: int = 0,
+        health_problems: dict[int, list[str]] | None = None,
+        fail_publish_at: int | None = None,
+    ) -> None:
+        self.step = step
+        self.synced = last_sync_step
+        self.health_problems = health_problems or {}
+        self.fail_publish_at = fail_publish_at
+        self.events: list[Event] = []
+        self.batches: dict[int, list[str]] = {}
+        self.prepared = 0
+        self.closed = 0
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        self.prepared += 1
+
+    @property
+    def train_step_num(self) -> int:
+        return self.step
+
+    @property
+    def last_sync_step(self) -> int:
+        return self.synced
+
+    def train_step(self, batch: PinResult) -> dict[str, Any]:
+        assert batch.step == self.step + 1, f"step {batch.step} trained after {self.step}"
+        assert batch.eids and len(set(batch.eids)) == len(batch.eids)
+        self.step = batch.step
+        self.batches[batch.step] = list(batch.eids)
+        self._record(("train", batch.step))
+        return {
+            "step": batch.step,
+            "metrics": {"actor/pg_loss": 0.1 * batch.step, "actor/grad_norm": 1.0},
+            "batch_size": len(batch.eids),
+            "parent_step": batch.step - 1,
+            "health_problems": list(self.health_problems.get(batch.step, [])),
+            "already_trained": False,
+            "replayed": [],
+        }
+
+    def save_checkpoint(
+        self,
+        block_until_saved: bool = False,
+        save_as_hf: bool = False,
+        serves_as_sync: bool = False,
+    ) -> dict[str, Any]:
+        self._record(("save", self.step, block_until_saved, save_as_hf, serves_as_sync))
+        if serves_as_sync:
+            self.synced = self.step
+        return {"step": self.step, "pending": not block_until_saved}
+
+    def save_state_dict(self) -> dict[str, Any]:
+        if self.step == self.fail_publish_at:
+            self.fail_publish_at = None  # only the first attempt fails
+            self._record(("publish failed", self.step))
+            raise PublishFailed(f"publishing weights of step {self.step} failed")
+        self._record(("publish", self.step))
+        self.synced = self.step
+        return {"version": self.step}
+
+    def sync_weight(self) -> dict[str, Any]:
+        raise AssertionError("sync_method nccl is not configured")
+
+    def upload_state_dict(self) -> dict[str, Any]:
+        raise AssertionError("sync_method memory is not configured")
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def _record(self, event: Event) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def of_kind(self, kind: str) -> list[Event]:
+        with self._lock:
+            return [e for e in self.events if e[0] == kind]
+
+
+class RecordingHook(TrainerHook):
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+        self.steps: list[int] = []
+        self.syncs: list[int] = []
+        self.records: list[dict[str, Any]] = []
+        self.metrics: list[dict[str, Any]] = []
+        self.step_done = threading.Condition()
+
+    def on_batch(self, step: int, batch: PinResult) -> None:
+        assert batch.step == step
+        self.batches.append(step)
+
+    def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
+        with self.step_done:
+            self.steps.append(step)
+            self.records.append(record)
+            self.metrics.append(metrics)
+            self.step_done.notify_all()
+
+    def on_sync(self, step: int, info: dict[str, Any]) -> None:
+        self.syncs.append(step)
+
+    def wait_for_step(self, step: int, timeout: float = 20.0) -> None:
+        with self.step_done:
+            assert self.step_done.wait_for(lambda: step in self.steps, timeout), (
+                f"step {step} not trained within {timeout} s: {self.steps}"
+            )
+
+
+def make_config(
+    tmp_path: Path,
+    *,
+    total_steps: int,
+    save_interval: int = 0,
+    sync_interval: int = 1,
+    save_hf_checkpoint: str = "last",
+    sync_style: str = "fixed",
+    read_timeout_s: float = 30.0,
+) -> TrinityConfig:
+    config, _ = tiny_config(
+        tmp_path,
+        {
+            "trainer": {
+                "total_steps": total_steps,
+                "save_interval": save_interval,
+                "save_hf_checkpoint": save_hf_checkpoint,
+            },
+            "synchronizer": {
+                "sync_method": "checkpoint",
+                "sync_style": sync_style,
+                "sync_interval": sync_interval,
+            },
+            "buffer": {"read_timeout_s": read_timeout_s},
+        },
+    )
+    return config
+
+
+def expected_events(
+    total_steps: int, save_interval: int, sync_interval: int, save_hf: str
+) -> list[Event]:
+    """Trinity-RFT's schedule, sync_style fixed and sync_method checkpoint, all data there.
+
+    After each step: a save every `save_interval` steps (none for 0), except that the final
+    step gets the one final blocking save instead; weights synced at every `sync_interval`-th
+    step, by the save when one is made at that step (which then exports HF weights).
+    """
+    events: list[Event] = []
+    for step in range(1, total_steps + 1):
+        events.append(("train", step))
+        sync_due = step % sync_interval == 0
+        if step == total_steps:
+            events.append(("save", step, True, save_hf != "never" or sync_due, sync_due))
+        elif save_interval > 0 and step % save_interval == 0:
+            events.append(("save", step, False, save_hf == "always" or sync_due, sync_due))
+        elif sync_due:
+            events.append(("publish", step))
+    return events
+
+
+def run_trainer(trainer: Trainer, last_step: int | None = None) -> str:
+    return asyncio.run(trainer.run(last_step))
+
+
+@pytest.mark.parametrize("save_hf", ["always", "last", "never"])
+@pytest.mark.parametrize("sync_interval", [1, 2, 3])
+@pytest.mark.parametrize("save_interval", [0, 1, 2, 4])
+@pytest.mark.parametrize("total_steps", [1, 4, 6])
+def test_schedule_of_saves_and_syncs(
+    tmp_path: Path, total_steps: int, save_interval: int, sync_interval: int, save_hf: str
+) -> None:
+    config = make_config(
+        tmp_path,
+        total_steps=total_steps,
+        save_interval=save_interval,
+        sync_interval=sync_interval,
+        save_hf_checkpoint=save_hf,
+        read_timeout_s=5.0,
+    )
+    fill_buffer(config, total_steps)
+    engine, hook = FakeEngine(), RecordingHook()
+    trainer = Trainer(config, engine=engine, hook=hook)
+
+    reason = run_trainer(trainer)
+
+    expected = expected_events(total_steps, save_interval, sync_interval, save_hf)
+    assert engine.events == expected
+    assert reason.startswith(f"trained all {total_steps} steps")
+    steps = list(range(1, total_steps + 1))
+    assert hook.batches == steps
+    assert hook.steps == steps
+    assert hook.syncs == [e[1] for e in expected if e[0] == "publish"]
+    assert [r["step"] for r in hook.records] == steps
+    assert all(m["actor/pg_loss"] == pytest.approx(0.1 * s) for s, m in zip(steps, hook.metrics))
+    # exactly one blocking save, the last event, of the final step
+    blocking = [e for e in engine.events if e[0] == "save" and e[2]]
+    assert blocking == [engine.events[-1]] and blocking[0][1] == total_steps
+    synced = [s for s in steps if s % sync_interval == 0]
+    assert engine.last_sync_step == trainer.last_sync_step == (synced[-1] if synced else 0)
+    # every step trained its own, disjoint batch of the buffer's size
+    all_eids = [eid for s in steps for eid in engine.batches[s]]
+    assert len(all_eids) == len(set(all_eids)) == total_steps * config.buffer.train_batch_size
+    state = read_trainer_state(RunPaths.of(config.run_root))
+    assert state is not None
+    assert (state.state, state.step) == ("finished", total_steps)
+    assert state.finished(total_steps)
+    assert engine.prepared >= 1 and engine.closed == 1
+
+
+def test_expected_schedule_examples() -> None:
+    """The independent schedule itself, on two hand-checked cases."""
+    assert expected_events(4, 2, 1, "last") == [
+        ("train", 1),
+        ("publish", 1),
+        ("train", 2),
+        ("save", 2, False, True, True),
+        ("train", 3),
+        ("publish", 3),
+        ("train", 4),
+        ("save", 4, True, True, True),
+    ]
+    assert expected_events(3, 0, 2, "never") == [
+        ("train", 1),
+        ("train", 2),
+        ("publish", 2),
+        ("train", 3),
+        ("save", 3, True, False, False),
+    ]
+
+
+@pytest.mark.parametrize("save_hf", ["always", "last", "never"])
+def test_end_of_data_stops_early_with_final_save(tmp_path: Path, save_hf: str) -> None:
+    config = make_config(
+        tmp_path, total_steps=6, save_interval=4, sync_interval=2, save_hf_checkpoint=save_hf
+    )
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 3)
+    mark_end_of_data(paths, "explorer-0", "task set used up (buffer.total_epochs)")
+    engine, hook = FakeEngine(), RecordingHook()
+
+    reason = run_trainer(Trainer(config, engine=engine, hook=hook))
+
+    assert reason.startswith(DATA_ENDED), reason
+    assert "after step 3" in reason and "task set used up" in reason
+    assert engine.of_kind("train") == [("train", 1), ("train", 2), ("train", 3)]
+    assert hook.steps == [1, 2, 3]
+    assert engine.of_kind("publish") == [("publish", 2)]
+    saves = engine.of_kind("save")
+    assert saves == [("save", 3, True, save_hf != "never", False)]
+    assert engine.events[-1] == saves[-1]
+    state = read_trainer_state(paths)
+    assert state is not None
+    assert (state.state, state.step) == ("finished", 3)
+    assert state.reason == reason
+    assert state.finished(6)
+
+
+def test_end_of_data_at_a_save_step_blocks_once(tmp_path: Path) -> None:
+    """Data ends right after a periodic save: the final blocking save is the only blocking one."""
+    config = make_config(tmp_path, total_steps=6, save_interval=2, sync_interval=1)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 2)
+    mark_end_of_data(paths, "explorer-0", "done")
+    engine = FakeEngine()
+
+    reason = run_trainer(Trainer(config, engine=engine))
+
+    assert reason.startswith(DATA_ENDED)
+    assert engine.of_kind("train") == [("train", 1), ("train", 2)]
+    saves = engine.of_kind("save")
+    assert [s for s in saves if s[2]] == [("save", 2, True, True, False)]
+    assert saves[-1] == engine.events[-1]
+    assert engine.last_sync_step == 2
+
+
+def test_end_of_data_before_any_step(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=3)
+    paths = RunPaths.of(config.run_root)
+    mark_end_of_data(paths, "explorer-0", "no tasks")
+    engine = FakeEngine()
+
+    reason = run_trainer(Trainer(config, engine=engine))
+
+    assert reason.startswith(DATA_ENDED) and "no tasks" in reason
+    assert engine.events == []  # nothing trained: nothing to save
+    state = read_trainer_state(paths)
+    assert state is not None and (state.state, state.step) == ("finished", 0)
+
+
+def test_read_timeout_stops_early(tmp_path: Path) -> None:
+    config = make_config(
+        tmp_path, total_steps=5, save_interval=0, save_hf_checkpoint="never", read_timeout_s=0.5
+    )
+    fill_buffer(config, 2)
+    engine = FakeEngine()
+
+    started = time.monotonic()
+    reason = run_trainer(Trainer(config, engine=engine))
+    elapsed = time.monotonic() - started
+
+    assert reason.startswith(DATA_ENDED), reason
+    assert "buffer.read_timeout_s" in reason
+    assert 0.5 <= elapsed < 10
+    assert engine.events == [
+        ("train", 1),
+        ("publish", 1),
+        ("train", 2),
+        ("publish", 2),
+        ("save", 2, True, False, False),
+    ]
+    state = read_trainer_state(RunPaths.of(config.run_root))
+    assert state is not None and (state.state, state.step) == ("finished", 2)
+
+
+def test_last_step_stops_without_final_save_then_resumes(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
+    fill_buffer(config, 4)
+    engine = FakeEngine()
+
+    reason = run_trainer(Trainer(config, engine=engine), last_step=2)
+    assert reason.startswith("trained up to step 2")
+    assert engine.events == [("train", 1), ("train", 2), ("publish", 2)]
+
+    reason = run_trainer(Trainer(config, engine=engine))
+    assert reason.startswith("trained all 4 steps")
+    assert engine.events[3:] == [("train", 3), ("train", 4), ("save", 4, True, True, True)]
+
+
+def test_explorer_request_synced_at_next_step_boundary(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=4, sync_style="explorer_driven", sync_interval=1)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 4)
+    engine = FakeEngine()
+    written: list[Path] = []
+
+    class AskAfterStep1(RecordingHook):
+        def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
+            super().on_step(step, record, metrics)
+            if step == 1:  # step 1's boundary is over: the request is served at step 2's
+                written.append(request_sync(paths, "e0", have_version=0))
+
+    hook = AskAfterStep1()
+    reason = run_trainer(Trainer(config, engine=engine, hook=hook))
+
+    assert reason.startswith("trained all 4 steps")
+    # without requests, explorer-driven never syncs; the one request gets step 2's weights
+    assert engine.events == [
+        ("train", 1),
+        ("train", 2),
+        ("publish", 2),
+        ("train", 3),
+        ("train", 4),
+        ("save", 4, True, True, False),
+    ]
+    assert hook.syncs == [2]
+    assert is_answered(written[0])
+    assert pending_requests(paths) == []
+
+
+def test_explorer_request_at_final_step_is_served_by_final_save(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=2, sync_style="explorer_driven")
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 2)
+    engine = FakeEngine()
+    written: list[Path] = []
+
+    class AskAtStep2(RecordingHook):
+        def on_batch(self, step: int, batch: PinResult) -> None:
+            super().on_batch(step, batch)
+            if step == 2:
+                written.append(request_sync(paths, "e0", have_version=0))
+
+    run_trainer(Trainer(config, engine=engine, hook=AskAtStep2()))
+
+    assert engine.events == [("train", 1), ("train", 2), ("save", 2, True, True, True)]
+    assert engine.last_sync_step == 2
+    assert is_answered(written[0])
+
+
+def _start_in_thread(trainer: Trainer) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["reason"] = asyncio.run(trainer.run())
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _wait_answered(path: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not is_answered(path):
+        assert time.monotonic() < deadline, f"request {path} not answered within {timeout} s"
+        time.sleep(0.02)
+
+
+def test_request_answered_while_trainer_waits_for_data(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=2, sync_style="explorer_driven")
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 1)
+    engine, hook = FakeEngine(), RecordingHook()
+    thread, outcome = _start_in_thread(Trainer(config, engine=engine, hook=hook))
+    try:
+        hook.wait_for_step(1)
+        time.sleep(0.2)  # the trainer is now waiting for step 2's batch
+        assert thread.is_alive() and engine.of_kind("train") == [("train", 1)]
+
+        # the explorer holds version 0 and asks: step 1's weights are synced while waiting
+        _wait_answered(request_sync(paths, "e0", have_version=0))
+        assert engine.of_kind("publish") == [("publish", 1)]
+        assert hook.syncs == [1]
+
+        # asking again with version 1: nothing newer, answered without another sync
+        _wait_answered(request_sync(paths, "e0", have_version=1))
+        assert engine.of_kind("publish") == [("publish", 1)]
+        assert engine.of_kind("train") == [("train", 1)]
+
+        fill_buffer(config, 1, seed=1)  # the explorer's next experiences arrive
+        thread.join(30)
+        assert not thread.is_alive()
+    finally:
+        mark_end_of_data(paths, "e0", "test over")  # never leave the thread waiting
+        thread.join(30)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["reason"].startswith("trained all 2 steps")
+    assert engine.events == [
+        ("train", 1),
+        ("publish", 1),
+        ("train", 2),
+        ("save", 2, True, True, False),
+    ]
+    assert pending_requests(paths) == []
+
+
+def test_withheld_sync_fails_the_run(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
+    fill_buffer(config, 4)
+    engine = FakeEngine(health_problems={2: ["actor/grad_norm is nan"]})
+
+    with pytest.raises(SyncWithheldError, match="weights of step 2 are withheld") as caught:
+        run_trainer(Trainer(config, engine=engine))
+
+    assert caught.value.step == 2
+    assert caught.value.problems == ["actor/grad_norm is nan"]
+    assert engine.events == [("train", 1), ("train", 2)]  # nothing published, step 3 not trained
+    assert engine.last_sync_step == 0
+    state = read_trainer_state(RunPaths.of(config.run_root))
+    assert state is not None
+    assert (state.state, state.step) == ("failed", 2)
+    assert state.reason.startswith("SyncWithheldError: weights of step 2")
+    assert "actor/grad_norm is nan" in state.reason
+    assert not state.finished(4)
+    assert engine.closed == 1
+
+
+def test_withheld_sync_by_a_save_serving_as_sync(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=4, save_interval=2, sync_interval=2)
+    fill_buffer(config, 4)
+    engine = FakeEngine(health_problems={2: ["loss is inf"]})
+
+    with pytest.raises(SyncWithheldError, match="step 2"):
+        run_trainer(Trainer(config, engine=engine))
+
+    assert engine.events == [("train", 1), ("train", 2)]  # the serving save is not made
+    state = read_trainer_state(RunPaths.of(config.run_root))
+    assert state is not None and state.state == "failed" and "loss is inf" in state.reason
+
+
+def test_health_problems_off_sync_steps_do_not_stop_training(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
+    fill_buffer(config, 4)
+    engine = FakeEngine(health_problems={1: ["kl out of bound"], 3: ["kl out of bound"]})
+
+    reason = run_trainer(Trainer(config, engine=engine))
+
+    assert reason.startswith("trained all 4 steps")
+    assert engine.of_kind("publish") == [("publish", 2)]
+
+
+def test_retry_after_error_following_the_weights_update(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=1)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 4)
+    engine = FakeEngine(fail_publish_at=2)
+
+    with pytest.raises(PublishFailed):
+        run_trainer(Trainer(config, engine=engine))
+    # step 2's weights were updated in the engine, but not published
+    assert engine.events == [("train", 1), ("publish", 1), ("train", 2), ("publish failed", 2)]
+    assert (engine.train_step_num, engine.last_sync_step) == (2, 1)
+    state = read_trainer_state(paths)
+    assert state is not None and (state.state, state.step) == ("failed", 2)
+    assert "PublishFailed" in state.reason
+
+    hook = RecordingHook()
+    retry = Trainer(config, engine=engine, hook=hook)
+    reason = run_trainer(retry)
+
+    assert reason.startswith("trained all 4 steps")
+    # step 2's owed sync comes first, before step 3 is trained
+    assert engine.events[4:] == [
+        ("publish", 2),
+        ("train", 3),
+        ("publish", 3),
+        ("train", 4),
+        ("save", 4, True, True, True),
+    ]
+    assert hook.syncs == [2, 3]
+    assert hook.steps == [3, 4]
+    assert engine.of_kind("train") == [("train", s) for s in (1, 2, 3, 4)]
+    state = read_trainer_state(paths)
+    assert state is not None and (state.state, state.step) == ("finished", 4)
+
+
+def test_retry_of_a_run_that_trained_the_final_step(tmp_path: Path) -> None:
+    """A run killed after training the last step: the retry makes only the final save."""
+    config = make_config(tmp_path, total_steps=2, save_interval=0, sync_interval=1)
+    fill_buffer(config, 2)
+    engine = FakeEngine(step=2, last_sync_step=1)
+
+    reason = run_trainer(Trainer(config, engine=engine))
+
+    assert reason.startswith("trained all 2 steps")
+    assert engine.events == [("save", 2, True, True, True)]
+    assert engine.last_sync_step == 2
