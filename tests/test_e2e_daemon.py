@@ -206,7 +206,7 @@ def test_killed_daemon_then_restarted_dagster_dev_finishes(loop: Loop, reference
     daemons = [
         p
         for p in psutil.Process(dev.process.pid).children(recursive=True)
-        if "dagster-daemon" in " ".join(p.cmdline())
+        if any(name in " ".join(p.cmdline()) for name in ("dagster-daemon", "dagster._daemon"))
     ]
     assert daemons, "no dagster-daemon process under dagster dev"
     for daemon in daemons:

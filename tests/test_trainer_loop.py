@@ -211,9 +211,9 @@ def run_trainer(trainer: Trainer, last_step: int | None = None) -> str:
 
 
 @pytest.mark.parametrize("save_hf", ["always", "last", "never"])
-@pytest.mark.parametrize("sync_interval", [1, 2, 3])
-@pytest.mark.parametrize("save_interval", [0, 1, 2, 4])
-@pytest.mark.parametrize("total_steps", [1, 4, 6])
+@pytest.mark.parametrize("sync_interval", [1, 2, 4])
+@pytest.mark.parametrize("save_interval", [0, 1, 3, 4])
+@pytest.mark.parametrize("total_steps", [1, 6])
 def test_schedule_of_saves_and_syncs(
     tmp_path: Path, total_steps: int, save_interval: int, sync_interval: int, save_hf: str
 ) -> None:
@@ -239,7 +239,10 @@ def test_schedule_of_saves_and_syncs(
     assert hook.steps == steps
     assert hook.syncs == [e[1] for e in expected if e[0] == "publish"]
     assert [r["step"] for r in hook.records] == steps
-    assert all(m["actor/pg_loss"] == pytest.approx(0.1 * s) for s, m in zip(steps, hook.metrics))
+    assert all(
+        m["actor/pg_loss"] == pytest.approx(0.1 * s)
+        for s, m in zip(steps, hook.metrics, strict=True)
+    )
     # exactly one blocking save, the last event, of the final step
     blocking = [e for e in engine.events if e[0] == "save" and e[2]]
     assert blocking == [engine.events[-1]] and blocking[0][1] == total_steps
@@ -431,7 +434,7 @@ def _start_in_thread(trainer: Trainer) -> tuple[threading.Thread, dict[str, Any]
     def target() -> None:
         try:
             outcome["reason"] = asyncio.run(trainer.run())
-        except BaseException as err:  # noqa: BLE001 - handed to the test thread
+        except BaseException as err:  # handed to the test thread
             outcome["error"] = err
 
     thread = threading.Thread(target=target, daemon=True)

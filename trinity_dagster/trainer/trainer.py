@@ -124,6 +124,7 @@ class Trainer:
                 self.save_checkpoint(
                     block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never"
                 )
+                answer_requests(self._requests())  # no newer weights will come
                 write_trainer_state(self.paths, "finished", self.train_step_num, reason)
         except BaseException as err:
             write_trainer_state(
