@@ -1,4 +1,5 @@
-"""The Dagster graph in process: assets against a real engine service, sensors with cursors."""
+"""The Dagster graph in process: the trainer loop as ranged runs against a real engine service,
+and the sensors that start it and record its checkpoints."""
 
 import math
 from pathlib import Path
@@ -7,15 +8,16 @@ import dagster as dg
 import pytest
 
 from assets.experiences import experience_schema, experiences
-from assets.sensors import data_sensor, save_sensor, sync_sensor
+from assets.sensors import checkpoint_sensor, trainer_sensor
 from assets.training import train
-from assets.weights import save, sync
+from assets.weights import save
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from tests.run_helpers import fill_buffer, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.trainer.run_state import read_trainer_state
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -24,7 +26,12 @@ RANGE_END = "dagster/asset_partition_range_end"
 @pytest.fixture
 def graph(tmp_path: Path):
     config, config_file = tiny_config(
-        tmp_path, {"trainer": {"total_steps": 4, "save_interval": 2, "save_hf_checkpoint": "last"}}
+        tmp_path,
+        {
+            "trainer": {"total_steps": 4, "save_interval": 2, "save_hf_checkpoint": "last"},
+            # fill_buffer's logprobs are random, not the policy's: its KL exceeds the default
+            "algorithm": {"kl_bound": 100.0},
+        },
     )
     run_config = RunConfigResource(config_path=str(config_file))
     resources = {"run_config": run_config, "engine": EngineResource(run_config=run_config)}
@@ -58,36 +65,33 @@ def check_passed(result: dg.ExecuteInProcessResult, name: str) -> bool:
     )
 
 
-def test_graph_trains_syncs_and_saves_through_sensors(graph) -> None:
+def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     config, resources, instance = graph
     paths = RunPaths.of(config.run_root)
-
-    waiting = sensor_result(data_sensor, instance, resources)
-    assert isinstance(waiting, dg.SkipReason) and "have 0" in waiting.skip_message
     fill_buffer(config, steps=config.trainer.total_steps)
+    keys = [f"00000{n}" for n in (1, 2, 3, 4)]
 
-    first = sensor_result(data_sensor, instance, resources)
-    assert [r.partition_key for r in first.run_requests] == ["000001"]
-    assert first.dynamic_partitions_requests[0].partition_keys == ["000001"]
-    again = sensor_result(data_sensor, instance, resources, cursor=first.cursor)
-    assert isinstance(again, dg.SkipReason) and "waiting for train_step 000001" in (
-        again.skip_message
-    )
-    instance.add_dynamic_partitions("step", ["000001", "000002", "000003", "000004"])
+    first = sensor_result(trainer_sensor, instance, resources)
+    (request,) = first.run_requests
+    assert (request.tags[RANGE_START], request.tags[RANGE_END]) == ("000001", "000004")
+    assert first.dynamic_partitions_requests[0].partition_keys == keys
+    instance.add_dynamic_partitions("step", keys)
 
     one = dg.materialize([train], instance=instance, resources=resources, partition_key="000001")
     assert one.success
     step1 = metadata(instance, "train_step", "000001")
     assert math.isfinite(step1["actor/pg_loss"]) and step1["parent_step"] == 0
     assert step1["batch_size"] == config.buffer.train_batch_size
+    assert step1["synced"] and step1["weights_version"] == 1
     assert metadata(instance, "experience_batch", "000001")["batch_size"] == 8
+    assert metadata(instance, "synced_weights", "000001")["version"] == 1
     assert check_passed(one, "loss_is_finite") and check_passed(one, "kl_within_bound")
 
-    # a restarted data sensor (no cursor) asks for the next step, not the trained one
-    restarted = sensor_result(data_sensor, instance, resources)
-    assert [r.run_key for r in restarted.run_requests] == ["train-000002"]
+    # a restarted sensor asks for the steps left, from the newest trained one on
+    restarted = sensor_result(trainer_sensor, instance, resources)
+    assert [r.run_key for r in restarted.run_requests] == ["trainer-000002-000004"]
 
-    # single-run backfill of steps 2..4: one materialisation per step, each its own metadata
+    # one run over steps 2..4: one materialisation per step, each with its own metadata
     ranged = dg.materialize(
         [train],
         instance=instance,
@@ -98,25 +102,22 @@ def test_graph_trains_syncs_and_saves_through_sensors(graph) -> None:
     steps = [metadata(instance, "train_step", f"00000{n}") for n in (2, 3, 4)]
     assert [m["parent_step"] for m in steps] == [1, 2, 3]
     assert len({m["actor/pg_loss"] for m in steps}) == 3
+    state = read_trainer_state(paths)
+    assert state is not None and state.finished(4) and state.step == 4, state
+    finished = sensor_result(trainer_sensor, instance, resources)
+    assert isinstance(finished, dg.SkipReason) and "training finished" in finished.skip_message
 
-    syncs = sensor_result(sync_sensor, instance, resources)
-    assert [r.run_key for r in syncs.run_requests] == [f"sync-00000{n}" for n in (1, 2, 3, 4)]
-    assert (
-        sync_sensor(dg.build_sensor_context(instance=instance, cursor=syncs.cursor)).run_requests
-        == []
-    )  # restarted with its cursor: nothing twice
-
-    synced = dg.materialize([sync], instance=instance, resources=resources, partition_key="000001")
-    assert synced.success
-    assert metadata(instance, "synced_weights", "000001")["version"] == 1
-
-    saves = sensor_result(save_sensor, instance, resources)
     # save_interval 2 and the final step; with sync_interval 1 and sync_method checkpoint
-    # each save also serves as the sync, so it carries the HF export explorers load
-    assert [(r.run_key, r.job_name) for r in saves.run_requests] == [
-        ("save-000002", "save_with_hf_job"),
-        ("save-000004", "save_with_hf_job"),
-    ]
+    # each save also serves as the sync: the checkpoint sensor records all three, runless
+    recorded = sensor_result(checkpoint_sensor, instance, resources)
+    events = {(e.asset_key.to_user_string(), e.partition) for e in recorded.asset_events}
+    assert events == {
+        (asset, key)
+        for asset in ("checkpoint", "hf_model", "synced_weights")
+        for key in ("000002", "000004")
+    }
+    assert "000002" not in instance.get_materialized_partitions(dg.AssetKey("synced_weights"))
+
     saved = dg.materialize([save], instance=instance, resources=resources, partition_key="000004")
     assert saved.success and check_passed(saved, "checkpoint_complete")
     ckpt = metadata(instance, "checkpoint", "000004")
