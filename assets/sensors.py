@@ -9,8 +9,9 @@
 - `evaluation_sensor`: evaluates the initial weights, and the newest weights once training
   finished.
 A run killed with its worker is retried by Dagster's run retries (see
-`trinity_dagster.dagster_instance`); a run that failed on an error is not relaunched: the
-sensors then say why they wait. Run keys make every request unique.
+`trinity_dagster.dagster_instance`) or, if interrupted, started again by its sensor; a
+trainer run that failed on an error of the loop is not relaunched: the sensors then say why
+they wait. Run keys (job, range, attempt) make every request unique.
 """
 
 import re
@@ -47,6 +48,7 @@ _INTERVAL = _config.dagster.sensor_interval_s
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 WILL_RETRY = "dagster/will_retry"
+MAX_ATTEMPTS = 3
 WORKER_PID = re.compile(r"Started process for run \(pid: (\d+)\)")
 BUSY = (
     dg.DagsterRunStatus.QUEUED,
@@ -94,40 +96,57 @@ def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
     return None if alive else pids[-1]
 
 
-def why_not_launch(instance: dg.DagsterInstance, job_name: str) -> str | None:
-    """Why a new run of `job_name` must not start now (None: it may).
+def launch_attempt(
+    instance: dg.DagsterInstance, job_name: str, first: int, loop_error: str | None
+) -> int | str:
+    """The attempt number of a new run of `job_name` from step `first`, or why none starts.
 
-    A started run whose worker died is marked failed here, so Dagster's run retries start
-    it again.
+    A started run whose worker died is marked failed here (nothing else notices it). A failed
+    run is left to Dagster's run retries when they take it; a run that failed because the
+    loop itself raised (`loop_error`) is not started again; one that was interrupted or
+    killed is, at most `MAX_ATTEMPTS` times from the same step.
     """
     runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name), limit=1)
     if not runs:
-        return None
+        return 0
     last = runs[0]
     if last.status == dg.DagsterRunStatus.STARTED and (pid := worker_gone(instance, last)):
-        instance.report_run_failed(last, f"the run worker (pid {pid}) is gone; retrying")
-        return f"{job_name} run {last.run_id} lost its worker (pid {pid}); it will be retried"
+        instance.report_run_failed(last, f"the run worker (pid {pid}) is gone")
+        return f"{job_name} run {last.run_id} lost its worker (pid {pid})"
     if last.status in BUSY:
         return f"{job_name} run {last.run_id} is {last.status.value.lower()}"
     if last.status == dg.DagsterRunStatus.FAILURE:
-        if last.tags.get(WILL_RETRY) == "true":
+        will_retry = last.tags.get(WILL_RETRY)
+        if will_retry is None and instance.run_retries_enabled:
+            return f"{job_name} run {last.run_id} failed; waiting for Dagster's retry decision"
+        if will_retry == "true":
             return f"{job_name} run {last.run_id} failed and will be retried"
-        return (
-            f"{job_name} run {last.run_id} failed; see its logs, fix the cause and launch "
-            "the remaining steps again (or re-execute the run)"
+        if loop_error is not None:
+            return (
+                f"{job_name} run {last.run_id} failed: {loop_error}; fix the cause and launch "
+                "the remaining steps again (or re-execute the run)"
+            )
+    failed = instance.get_runs(
+        filters=dg.RunsFilter(
+            job_name=job_name,
+            statuses=[dg.DagsterRunStatus.FAILURE],
+            tags={RANGE_START: step_key(first)},
         )
-    return None
+    )
+    if len(failed) >= MAX_ATTEMPTS:
+        return f"{len(failed)} {job_name} runs from step {first} failed; see their logs"
+    return len(failed)
 
 
 def ranged_request(
-    job_name: str, first: int, last: int, total: int, prefix: str
+    job_name: str, first: int, last: int, total: int, attempt: int
 ) -> dg.SensorResult:
     """One run of job `job_name` over steps first..last, with partitions 1..total added first."""
     keys = [step_key(step) for step in range(1, total + 1)]
     return dg.SensorResult(
         run_requests=[
             dg.RunRequest(
-                run_key=f"{prefix}-{step_key(first)}-{step_key(last)}",
+                run_key=f"{job_name}-{step_key(first)}-{step_key(last)}-{attempt}",
                 job_name=job_name,
                 tags={RANGE_START: step_key(first), RANGE_END: step_key(last)},
             )
@@ -150,12 +169,14 @@ def trainer_sensor(
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}: {finished.reason}")
-    busy = why_not_launch(context.instance, train_job.name)
-    if busy is not None:
-        return dg.SkipReason(busy)
     total = run_config.config.trainer.total_steps
     first = newest_step(context.instance, TRAIN) + 1
-    return ranged_request(train_job.name, first, total, total, "trainer")
+    state = read_trainer_state(run_config.paths)
+    loop_error = state.reason if state is not None and state.state == "failed" else None
+    attempt = launch_attempt(context.instance, train_job.name, first, loop_error)
+    if isinstance(attempt, str):
+        return dg.SkipReason(attempt)
+    return ranged_request(train_job.name, first, total, total, attempt)
 
 
 @dg.sensor(
@@ -177,15 +198,15 @@ def explorer_sensor(
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}")
-    busy = why_not_launch(context.instance, rollouts_job.name)
-    if busy is not None:
-        return dg.SkipReason(busy)
     needed = explore_steps_needed(run_config.config)
     first = newest_step(context.instance, ROLLOUTS) + 1
     if first > needed:
         return dg.SkipReason(f"all {needed} explore steps are done")
+    attempt = launch_attempt(context.instance, rollouts_job.name, first, None)
+    if isinstance(attempt, str):
+        return dg.SkipReason(attempt)
     total = max(needed, run_config.config.trainer.total_steps)
-    return ranged_request(rollouts_job.name, first, needed, total, "explore")
+    return ranged_request(rollouts_job.name, first, needed, total, attempt)
 
 
 @dg.sensor(

@@ -89,7 +89,7 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
 
     # a restarted sensor asks for the steps left, from the newest trained one on
     restarted = sensor_result(trainer_sensor, instance, resources)
-    assert [r.run_key for r in restarted.run_requests] == ["trainer-000002-000004"]
+    assert [r.run_key for r in restarted.run_requests] == ["train_job-000002-000004-0"]
 
     # one run over steps 2..4: one materialisation per step, each with its own metadata
     ranged = dg.materialize(

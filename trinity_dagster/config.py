@@ -242,7 +242,7 @@ class DagsterConfig(_Section):
 
     sensors_running: bool = Field(default=True, description="Sensors start running by default.")
     builtin_explorer: bool = Field(
-        default=True, description="The rollouts sensor drives the built-in explorer."
+        default=True, description="The explorer sensor runs the built-in explorer loop."
     )
     sensor_interval_s: int = Field(default=5, ge=1)
     schedules_running: bool = False

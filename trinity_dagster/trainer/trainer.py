@@ -126,7 +126,7 @@ class Trainer:
                 )
                 answer_requests(self._requests())  # no newer weights will come
                 write_trainer_state(self.paths, "finished", self.train_step_num, reason)
-        except BaseException as err:
+        except Exception as err:  # an interrupted loop (killed, cancelled) resumes: no state
             write_trainer_state(
                 self.paths, "failed", self.train_step_num, f"{type(err).__name__}: {err}"
             )
