@@ -212,8 +212,8 @@ def test_client_reports_unreachable_service(tmp_path: Path) -> None:
 def test_convert_turns_a_checkpoint_into_the_same_hf_weights(service, tmp_path: Path) -> None:
     config, client = service
     client.train_step(1)
-    client.train_step(2)  # save_interval 2: checkpoint with an HF export (it serves as sync)
-    client.save_checkpoint(2, block=True)
+    client.train_step(2)
+    client.save_checkpoint(2, block=True, hf=True)
     ckpt = RunPaths.of(config.run_root).checkpoints / "global_step_2"
     out = tmp_path / "converted"
     cli = [sys.executable, "-m", "trinity_dagster.cli", "convert"]
