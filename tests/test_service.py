@@ -125,6 +125,16 @@ def _assert_marker_names_a_verified_checkpoint(paths: RunPaths) -> None:
         verify_checkpoint(checkpoint_dir(paths, marker))
 
 
+def _train_and_save(client, config, step: int) -> dict:
+    """Train step N, then save as the trainer loop would (background; the final one blocks
+    and serves as the sync)."""
+    result = client.train_step(step)
+    final = step == config.trainer.total_steps
+    if final or step % config.trainer.save_interval == 0:
+        client.save_checkpoint(step, block=final, hf=final, serves_as_sync=final)
+    return result
+
+
 def _train_all_with_kills(config, kills: int, seed: int) -> list[list[int]]:
     """Drive every step through the client, kill -9 the service at random moments."""
     rng = random.Random(seed)
@@ -140,14 +150,14 @@ def _train_all_with_kills(config, kills: int, seed: int) -> list[list[int]]:
                 killer.start()
                 kills_left -= 1
                 try:
-                    result = client.train_step(step)
+                    result = _train_and_save(client, config, step)
                 except (EngineError, OSError, httpx.HTTPError):
                     continue
                 finally:
                     killer.join()
                     _assert_marker_names_a_verified_checkpoint(paths)
             else:
-                result = client.train_step(step)
+                result = _train_and_save(client, config, step)
             replays.append(result["replayed"])
             step += 1
     return replays
@@ -160,7 +170,7 @@ def test_kill_9_at_random_points_reaches_the_uninterrupted_weights(tmp_path: Pat
     pin_steps(reference, range(1, reference.trainer.total_steps + 1))
     with connect(reference) as client:
         for step in range(1, reference.trainer.total_steps + 1):
-            client.train_step(step)
+            _train_and_save(client, reference, step)
     stop_service(RunPaths.of(reference.run_root))
     expected = final_weights(reference)
 
