@@ -6,8 +6,7 @@
 - `checkpoint_sensor`: records `checkpoint[N]`, `hf_model[N]` (and `synced_weights[N]`
   when the checkpoint's export serves as the sync) the moment a background save's manifest
   lands, without a run, holding no pool slot;
-- `evaluation_sensor`: evaluates the initial weights, and the newest weights once training
-  finished.
+- `evaluation_sensor`: once training finished, evaluates the initial and the final weights.
 A run killed with its worker is retried by Dagster's run retries (see
 `trinity_dagster.dagster_instance`) or, if interrupted, started again by its sensor; a
 trainer run that failed on an error of the loop is not relaunched: the sensors then say why
@@ -290,22 +289,22 @@ def checkpoint_events(
     job=evaluation_job,
     minimum_interval_seconds=_INTERVAL,
     default_status=_STATUS,
-    description="Evaluate the initial weights, and the newest weights when training finished.",
+    description="Once training finished: evaluate the initial and the final weights.",
 )
 def evaluation_sensor(
     context: dg.SensorEvaluationContext, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Request `evaluation[0]` once, and `evaluation[v]` of the final weights once."""
-    published = latest_weights_version(run_config.paths)
-    if published is None:
-        return dg.SkipReason("no weights published yet")
+    """Request `evaluation[0]` and `evaluation[v]` of the final weights, once each.
+
+    Both wait for the end of training, so they never take the CPU from the loop.
+    """
+    if training_finished(run_config) is None:
+        return dg.SkipReason("waiting for training to finish")
+    published = latest_weights_version(run_config.paths) or 0
     done = context.instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
-    versions = [0]
-    if training_finished(run_config) is not None:
-        versions.append(published)
-    wanted = [step_key(v) for v in versions if step_key(v) not in done]
+    wanted = [step_key(v) for v in sorted({0, published}) if step_key(v) not in done]
     if not wanted:
-        return dg.SkipReason("every evaluation is done or requested")
+        return dg.SkipReason("the initial and final weights are evaluated")
     return dg.SensorResult(
         run_requests=[dg.RunRequest(run_key=f"eval-{key}", partition_key=key) for key in wanted],
         dynamic_partitions_requests=[step_partitions.build_add_request(wanted)],

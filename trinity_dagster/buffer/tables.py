@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -33,6 +34,18 @@ def open_table(path: Path) -> DeltaTable | None:
     try:
         return DeltaTable(str(path))
     except TableNotFoundError:
+        return None
+
+
+def table_log_mtime(path: Path) -> int | None:
+    """When the Delta log of the table at `path` last changed (ns), None if there is none.
+
+    Every commit adds a file to `_delta_log/`, so a waiting reader can tell from one `stat`
+    whether reading the table again can find anything new.
+    """
+    try:
+        return os.stat(path / "_delta_log").st_mtime_ns
+    except FileNotFoundError:
         return None
 
 

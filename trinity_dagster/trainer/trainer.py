@@ -25,6 +25,7 @@ from typing import Any
 
 from trinity_dagster.buffer.end_of_data import end_of_data
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
+from trinity_dagster.buffer.tables import table_log_mtime
 from trinity_dagster.checkpoint import rules
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
@@ -35,7 +36,7 @@ from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
-MAX_POLL_S = 0.5
+_NEVER = object()
 
 
 class SyncWithheldError(RuntimeError):
@@ -166,13 +167,12 @@ class Trainer:
             metrics.update(self.save_checkpoint(save_as_hf=self.save_hf_checkpoint == "always"))
         if final and self._checkpoint_sync():
             return metrics  # the final save serves as the sync
-        metrics.update(await self._serve_sync(requests=None))
+        metrics.update(await self._serve_sync())
         return metrics
 
-    async def _serve_sync(self, requests: list[SyncRequest] | None) -> dict[str, Any]:
+    async def _serve_sync(self) -> dict[str, Any]:
         """Sync if due, then answer the explorers' pending requests."""
-        if requests is None:
-            requests = self._requests()
+        requests = self._requests()
         metrics: dict[str, Any] = {}
         if self._sync_due(requests):
             metrics.update(await self.sync_weight())
@@ -180,31 +180,35 @@ class Trainer:
         return metrics
 
     async def _sample_data(self) -> PinResult:
-        """Pin the next step's batch, waiting for explorers (raises StopAsyncIteration)."""
+        """Pin the next step's batch, waiting for explorers (raises StopAsyncIteration).
+
+        While waiting it tries to pin again only when the experiences table got a new
+        commit (one `stat` of its log per poll), and serves the explorers' sync requests.
+        """
         step = self.train_step_num + 1
-        poll = POLL_S
-        last_have, last_growth = -1, time.monotonic()
+        seen: object = _NEVER
+        last_growth = time.monotonic()
         while True:
-            result = pin_batch(self.config, step)
-            if isinstance(result, PinResult):
-                return result
+            version = table_log_mtime(self.paths.experiences)
+            if version != seen:
+                seen, last_growth = version, time.monotonic()
+                result = pin_batch(self.config, step)
+                if isinstance(result, PinResult):
+                    return result
             ended = end_of_data(self.paths)
             if ended is not None:
                 result = pin_batch(self.config, step)  # data written just before the end
                 if isinstance(result, PinResult):
                     return result
                 raise StopAsyncIteration(f"{ended} ({result.message})")
-            if result.have != last_have:
-                last_have, last_growth, poll = result.have, time.monotonic(), POLL_S
             waited = time.monotonic() - last_growth
             if waited > self.config.buffer.read_timeout_s:
                 raise StopAsyncIteration(
                     f"no new experience for {waited:.0f} s (buffer.read_timeout_s); "
                     f"{result.message}"
                 )
-            await self._serve_sync(requests=None)  # explorers waiting for weights go on
-            await asyncio.sleep(poll)
-            poll = min(poll * 1.5, MAX_POLL_S)
+            await self._serve_sync()  # explorers waiting for weights go on
+            await asyncio.sleep(POLL_S)
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
         """Train the step `batch` is pinned to; returns its metrics."""
