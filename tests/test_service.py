@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 
 from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step, weights_dir
-from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.checkpoint.manifest import read_manifest, verify_checkpoint
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient, EngineError
 from trinity_dagster.service.launcher import connect, live_service, stop_service
@@ -246,3 +247,19 @@ def test_convert_turns_a_checkpoint_into_the_same_hf_weights(service, tmp_path: 
     )
     assert broken.returncode == 2
     assert victim.name in broken.stderr
+
+
+def test_next_step_trains_while_the_previous_save_is_written(service) -> None:
+    """Only the final save blocks: step N+1 starts before checkpoint N is complete."""
+    config, client = service
+    paths = RunPaths.of(config.run_root)
+    client.train_step(1)
+    client.train_step(2)
+    pending = client.save_checkpoint(2, block=False)
+    assert pending["pending"], pending
+    third = client.train_step(3)
+    done = client.save_checkpoint(2, block=True)
+    assert not done["pending"]
+    manifest = read_manifest(paths.checkpoints / "global_step_2")
+    completed = datetime.fromisoformat(manifest.created_at).timestamp()
+    assert third["started_at"] < completed, (third["started_at"], manifest.created_at)
