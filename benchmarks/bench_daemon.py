@@ -233,7 +233,7 @@ def run_phase(phase: str, root: Path, steps: int, save_interval: int) -> dict[st
 def main() -> None:
     """Run each way in its own process; print the figures, the last line as JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=12, help="GRPO steps (>= 10 for the goal)")
+    parser.add_argument("--steps", type=int, default=30, help="GRPO steps (>= 10 for the goal)")
     parser.add_argument("--save-interval", type=int, default=0, help="trainer.save_interval")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per way")
     parser.add_argument("--keep", type=Path, help="keep the run roots under this directory")

@@ -32,7 +32,7 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.sync_requests import is_answered, request_sync
 
-POLL_S = 0.05
+POLL_S = 0.02
 ALREADY_IN_TABLE = "already in the experiences table"
 
 

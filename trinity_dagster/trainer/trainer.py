@@ -35,7 +35,7 @@ from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, 
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
+POLL_S = 0.02
 _NEVER = object()
 
 
@@ -55,7 +55,7 @@ class TrainerHook:
     """Receives what the loop did; the Dagster graph logs materialisations from it."""
 
     def on_batch(self, step: int, batch: PinResult) -> None:
-        """Step N's batch is pinned."""
+        """Step N's batch was pinned (reported after the step, before `on_step`)."""
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
         """Step N trained (`record` from the engine), synced and saved as due (`metrics`)."""
@@ -148,11 +148,12 @@ class Trainer:
             except StopAsyncIteration as ended:
                 return f"{DATA_ENDED} after step {self.train_step_num}: {ended}", True
             step = batch.step
-            self.hook.on_batch(step, batch)
             metrics.update(await self.train_step(batch))
             metrics.update(await self._finish_step(final=step == self.total_steps))
             metrics["time/step"] = time.perf_counter() - started
             assert self._last_record is not None
+            # reported once the weights are out, so explorers go on while the hook records
+            self.hook.on_batch(step, batch)
             self.hook.on_step(step, self._last_record, metrics)
         if end == self.total_steps:
             return f"trained all {self.total_steps} steps (trainer.total_steps)", True
