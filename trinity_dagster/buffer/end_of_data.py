@@ -9,6 +9,7 @@ final save (as Trinity-RFT's trainer does on `StopAsyncIteration`).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 from trinity_dagster.checkpoint.layout import write_atomic
@@ -32,3 +33,8 @@ def end_of_data(paths: RunPaths) -> str | None:
         return None
     reasons = [json.loads(p.read_text())["reason"] for p in sorted(folder.glob("*.json"))]
     return "; ".join(reasons) or None
+
+
+def clear_end_of_data(paths: RunPaths) -> None:
+    """Forget every explorer's end-of-data mark (a run is extended: data may come again)."""
+    shutil.rmtree(paths.root / END_DIR, ignore_errors=True)

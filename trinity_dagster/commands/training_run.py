@@ -22,10 +22,11 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
+from trinity_dagster.buffer.end_of_data import clear_end_of_data
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.dagster_instance import write_instance_yaml
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer.run_state import read_trainer_state
+from trinity_dagster.trainer.run_state import read_trainer_state, state_path
 
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +63,19 @@ def prepare_instance(config: TrinityConfig) -> Path:
     os.environ[CONFIG_ENV_VAR] = str(config_file)
     os.environ["DAGSTER_HOME"] = str(paths.dagster_home)
     return config_file
+
+
+def extend_finished_run(paths: RunPaths, total_steps: int) -> bool:
+    """Let a run that stopped before `total_steps` go on: forget its end (state, data end).
+
+    Returns whether there was such an end. A run that reached `total_steps` stays finished.
+    """
+    state = read_trainer_state(paths)
+    if state is None or state.state != "finished" or state.step >= total_steps:
+        return False
+    clear_end_of_data(paths)
+    state_path(paths).unlink()
+    return True
 
 
 def dagster_dev_command(config: TrinityConfig, config_file: Path, workspace: Path) -> str:
@@ -209,6 +223,8 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     """Train to the end through the Dagster daemon; write and return `summary.json`."""
     workspace_file = find_workspace(workspace)
     config_file = prepare_instance(config)
+    if extend_finished_run(RunPaths.of(config.run_root), config.trainer.total_steps):
+        print("trinity-dagster: extending a run that had stopped early", flush=True)
     import dagster as dg
 
     from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
