@@ -199,3 +199,11 @@ def test_concurrent_pinners_of_one_step_agree(tmp_path, monkeypatch):
     assert ours.eids == rival[0].eids == ["a-0", "a-1"]
     batches = DeltaTable(str(RunPaths.of(config.run_root).batches)).to_pyarrow_table()
     assert batches.num_rows == 2
+
+
+@pytest.mark.parametrize("priority", ["1e999", "NaN", "-Infinity", "1" + "0" * 400])
+def test_a_stored_priority_beyond_a_finite_float_falls_back_to_the_reward(priority: str) -> None:
+    from trinity_dagster.buffer.strategies import row_priority
+
+    assert row_priority(-0.5, '{"priority": ' + priority + "}") == 0.5
+    assert row_priority(-0.5, '{"priority": 2}') == 2.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_buffer_support import make_config, make_row, make_rows
-from trinity_dagster.buffer import EXPERIENCE_SCHEMA, ExperienceWriter
+from trinity_dagster.buffer import EXPERIENCE_SCHEMA, ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.paths import RunPaths
 
 
@@ -99,6 +100,79 @@ def test_each_bad_field_is_quarantined_and_named(tmp_path, field):
     assert len(quarantined) == 1 and quarantined[0]["field"] == field
     assert quarantined[0]["source"] == "writer"
     assert json.loads(quarantined[0]["row_json"])["task_id"] == "task-g"
+
+
+UNSTORABLE_ROWS = {
+    "reward-huge-int": ("reward", lambda r: r.update(reward=10**400)),
+    "logprobs-huge-int": ("logprobs", lambda r: r.update(logprobs=[10**400, -0.5])),
+    "model_version-int64-overflow": ("model_version", lambda r: r.update(model_version=2**63)),
+    "task_id-surrogate": ("task_id", lambda r: r.update(task_id="x\udcff")),
+    "eid-surrogate-nan-reward": ("eid", lambda r: r.update(eid="x\udcff", reward=math.nan)),
+    "info-text-surrogate": ("info", lambda r: r.update(info='{"k": "x\udcff"}')),
+    "field-name-surrogate": ("x\udcff", lambda r: r.update({"x\udcff": 1})),
+    "priority-huge-int": ("info", lambda r: r.update(info={"priority": 10**400})),
+    "priority-text-overflows": ("info", lambda r: r.update(info='{"priority": 1e400}')),
+    "priority-nan": ("info", lambda r: r.update(info='{"priority": NaN}')),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSTORABLE_ROWS))
+def test_unstorable_value_is_quarantined_and_good_rows_kept(tmp_path, case):
+    """Values Arrow/Delta cannot store (or the sampler cannot rank) reject only their row."""
+    field, mutate = UNSTORABLE_ROWS[case]
+    config = make_config(tmp_path)
+    bad = make_row("bad")
+    mutate(bad)
+    report = ExperienceWriter(config).write([make_row("ok-1"), bad, make_row("ok-2")])
+    assert (report.written, report.quarantined) == (2, 1)
+    (rejection,) = report.reasons
+    assert rejection.index == 1 and rejection.field == field and field in rejection.reason
+    paths = RunPaths.of(config.run_root)
+    assert sorted(_read(paths.experiences).column("eid").to_pylist()) == ["ok-1", "ok-2"]
+    (stored,) = _read(paths.quarantine).to_pylist()
+    stored_field = field.encode("utf-8", "backslashreplace").decode()
+    assert stored["field"] == stored_field and stored_field in stored["reason"]
+    assert json.loads(stored["row_json"])["task_id"] == bad["task_id"]
+
+
+def test_quarantined_row_with_invalid_utf8_eid_has_no_eid_but_keeps_it_in_row_json(tmp_path):
+    config = make_config(tmp_path)
+    bad = make_row("x\udcff", reward=math.nan)
+    report = ExperienceWriter(config).write([make_row("ok"), bad])
+    assert report.reasons[0].eid is None
+    (stored,) = _read(RunPaths.of(config.run_root).quarantine).to_pylist()
+    assert stored["eid"] is None
+    assert json.loads(stored["row_json"])["eid"] == "x\udcff"
+
+
+def test_numbers_arrow_would_reject_or_corrupt_are_stored_as_their_value(tmp_path):
+    config = make_config(tmp_path)
+    rows = [
+        make_row("exact", reward=2**53 + 1, logprobs=[-(2**24) - 1, -1]),
+        make_row("uint64", reward=np.uint64(2**64 - 1)),
+    ]
+    assert ExperienceWriter(config).write(rows).written == 2
+    stored = _read(RunPaths.of(config.run_root).experiences).sort_by("ingest_seq").to_pylist()
+    assert [r["reward"] for r in stored] == [float(2**53 + 1), float(2**64 - 1)]
+    assert stored[0]["logprobs"] == [-float(2**24), -1.0]  # nearest float32
+
+
+def test_priority_that_overflows_does_not_poison_the_priority_sampler(tmp_path):
+    config = make_config(tmp_path, train_batch_size=2, sample_strategy="priority")
+    writer = ExperienceWriter(config)
+    bomb = make_row("bomb", info=json.dumps({"priority": 10**400}))
+    report = writer.write([make_row("a", reward=0.5), bomb, make_row("b", reward=2.0)])
+    assert report.reasons[0].reason.startswith("info.priority: expected a finite number")
+    result = pin_batch(config, 1)
+    assert isinstance(result, PinResult) and result.eids == ["b", "a"]
+
+
+def test_a_single_row_instead_of_a_list_is_a_type_error(tmp_path):
+    config = make_config(tmp_path)
+    with pytest.raises(TypeError, match=r"got a single dict \(to write one row, pass \[row\]\)"):
+        ExperienceWriter(config).write(make_row("one"))
+    paths = RunPaths.of(config.run_root)
+    assert not paths.experiences.exists() and not paths.quarantine.exists()
 
 
 def test_too_long_and_unknown_version_and_duplicates(tmp_path):

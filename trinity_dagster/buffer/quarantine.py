@@ -24,6 +24,11 @@ class QuarantineRecord:
     row_json: str
 
 
+def _storable(text: str) -> str:
+    """`text` as valid UTF-8: characters it cannot encode (lone surrogates) as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def append_quarantine(
     path: Path,
     records: Sequence[QuarantineRecord],
@@ -38,10 +43,10 @@ def append_quarantine(
     table = pa.Table.from_pylist(
         [
             {
-                "eid": r.eid,
-                "field": r.field,
-                "reason": r.reason,
-                "row_json": r.row_json,
+                "eid": None if r.eid is None else _storable(r.eid),
+                "field": _storable(r.field),
+                "reason": _storable(r.reason),
+                "row_json": _storable(r.row_json),
                 "source": source,
                 "step": step,
                 "quarantined_at": now,

@@ -16,6 +16,7 @@ the `ingest_seq` of its last row, i.e. when it became complete.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -119,13 +120,18 @@ def _staleness_control(candidates: pa.Table, ctx: SampleContext) -> Selection:
 
 
 def row_priority(reward: float, info: str) -> float:
-    """`info["priority"]` if it is a number, else `abs(reward)`."""
+    """`info["priority"]` if it is a finite number, else `abs(reward)`."""
     try:
         value = json.loads(info).get("priority")
     except (ValueError, AttributeError):
         value = None
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        try:
+            priority = float(value)
+        except OverflowError:  # an integer beyond any float
+            return abs(reward)
+        if math.isfinite(priority):
+            return priority
     return abs(reward)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ OPTIONAL_DEFAULTS: dict[str, Any] = {
     "info": "{}",
 }
 INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+FLOAT_LISTS = ("logprobs", "advantages", "returns")
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,35 @@ class Rejection:
         return f"row {self.index} (eid {self.eid!r}): {self.reason}"
 
 
+_SHORT_REPR = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT_REPR.maxlong = 40
+_SHORT_REPR.maxstring = 60
+_SHORT_REPR.maxother = 60
+
+
+def _safe_repr(value: Any) -> str:
+    """A short `repr` of `value` for reasons; a placeholder naming its type if it has none."""
+    try:
+        return _SHORT_REPR.repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__} too large to show>"
+
+
 def row_to_json(row: Any) -> str:
     """A row as JSON text for the quarantine table (never fails)."""
     try:
         return json.dumps(row, default=str, sort_keys=True)
-    except (TypeError, ValueError):
-        return json.dumps({"repr": repr(row)})
+    except (TypeError, ValueError, RecursionError):
+        return json.dumps({"repr": _safe_repr(row)})
+
+
+def _is_utf8(text: str) -> bool:
+    """True if `text` can be stored as UTF-8 (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(value: Any) -> bool:
@@ -67,12 +93,22 @@ def _is_number(value: Any) -> bool:
     return _is_int(value) or isinstance(value, float | np.floating)
 
 
+def _is_finite_number(value: Any) -> bool:
+    """A number that converts to a finite float64 (huge ints overflow and are not)."""
+    if not _is_number(value):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _check_list(name: str, value: Any, item_ok: Any, item_what: str) -> str | None:
     if not isinstance(value, list | tuple | np.ndarray):
         return f"{name}: expected a list of {item_what}, got {type(value).__name__}"
     for i, item in enumerate(value):
         if not item_ok(item):
-            return f"{name}[{i}]: expected {item_what}, got {item!r}"
+            return f"{name}[{i}]: expected {item_what}, got {_safe_repr(item)}"
     return None
 
 
@@ -81,6 +117,8 @@ def _check_field(name: str, value: Any) -> str | None:
     if name in ("eid", "task_id", "group_id", "explorer_id"):
         if not isinstance(value, str):
             return f"{name}: expected a string, got {type(value).__name__}"
+        if not _is_utf8(value):
+            return f"{name}: not valid UTF-8 text ({_safe_repr(value)})"
         if name == "eid" and not value:
             return "eid: empty string"
         return None
@@ -90,25 +128,24 @@ def _check_field(name: str, value: Any) -> str | None:
         )
     if name in ("prompt_length", "model_version"):
         if not _is_int(value):
-            return f"{name}: expected an integer, got {value!r}"
-        if value < 0 or (name == "prompt_length" and value > INT32_MAX):
-            return f"{name}: out of range ({value})"
+            return f"{name}: expected an integer, got {_safe_repr(value)}"
+        limit = INT32_MAX if name == "prompt_length" else INT64_MAX
+        if not 0 <= value <= limit:
+            return f"{name}: out of range 0..{limit} ({_safe_repr(value)})"
         return None
     if name == "action_mask":
         return _check_list(name, value, lambda b: isinstance(b, bool | np.bool_), "booleans")
     if name in ("logprobs", "advantages", "returns"):
         if value is None and name != "logprobs":
             return None
-        return _check_list(
-            name, value, lambda x: _is_number(x) and math.isfinite(x), "finite numbers"
-        )
+        return _check_list(name, value, _is_finite_number, "finite numbers")
     if name == "reward":
-        if not _is_number(value) or not math.isfinite(value):
-            return f"reward: expected a finite number, got {value!r}"
+        if not _is_finite_number(value):
+            return f"reward: expected a finite number, got {_safe_repr(value)}"
         return None
     if name == "created_at":
         if value is not None and not (isinstance(value, dt.datetime) and value.tzinfo):
-            return f"created_at: expected a timezone-aware datetime, got {value!r}"
+            return f"created_at: expected a timezone-aware datetime, got {_safe_repr(value)}"
         return None
     if name == "info":
         return _check_info(value)
@@ -116,18 +153,32 @@ def _check_field(name: str, value: Any) -> str | None:
 
 
 def _check_info(value: Any) -> str | None:
+    """A problem of an `info` value (JSON text or a dict), or None."""
     if isinstance(value, dict):
         try:
-            json.dumps(value)
-        except (TypeError, ValueError) as err:
+            text = json.dumps(value)
+        except (TypeError, ValueError, RecursionError) as err:
             return f"info: not JSON-serializable ({err})"
-        return None
-    if not isinstance(value, str):
+    elif isinstance(value, str):
+        text = value
+    else:
         return f"info: expected JSON text or a dict, got {type(value).__name__}"
+    if not _is_utf8(text):
+        return f"info: not valid UTF-8 text ({text[:40]!r})"
     try:
-        json.loads(value)
-    except ValueError:
-        return f"info: not valid JSON text ({value[:40]!r})"
+        parsed = json.loads(text)
+    except (ValueError, RecursionError):
+        return f"info: not valid JSON text ({text[:40]!r})"
+    return _check_priority(parsed)
+
+
+def _check_priority(info: Any) -> str | None:
+    """A numeric `info["priority"]` (what the priority strategy ranks by) must be finite."""
+    if not isinstance(info, dict) or "priority" not in info:
+        return None
+    value = info["priority"]
+    if _is_number(value) and not _is_finite_number(value):
+        return f"info.priority: expected a finite number, got {_safe_repr(value)}"
     return None
 
 
@@ -142,21 +193,35 @@ def rows_to_table(
         if not isinstance(row, Mapping):
             rejects.append(Rejection(index, None, "<row>", "row: not a mapping", row_to_json(row)))
             continue
-        eid = row.get("eid") if isinstance(row.get("eid"), str) else None
+        eid = row.get("eid")
+        known_eid = eid if isinstance(eid, str) and _is_utf8(eid) else None
         problem = _row_problem(row)
         if problem is not None:
             field, reason = problem
-            rejects.append(Rejection(index, eid, field, reason, row_to_json(dict(row))))
+            rejects.append(Rejection(index, known_eid, field, reason, row_to_json(dict(row))))
             continue
-        clean = {**OPTIONAL_DEFAULTS, **row}
-        if clean["created_at"] is None:
-            clean["created_at"] = now
-        if isinstance(clean["info"], dict):
-            clean["info"] = json.dumps(clean["info"])
-        good.append(clean)
+        good.append(_normalized(row, now))
         kept.append(index)
     table = pa.Table.from_pylist(good, schema=INPUT_SCHEMA)
     return table, kept, rejects
+
+
+def _normalized(row: Mapping[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """A checked row with defaults filled, `info` as text and float columns as Python floats.
+
+    Arrow converts integers to float columns only when exactly representable (and numpy
+    uint64 wrongly), so valid numbers are handed to it as floats.
+    """
+    clean = {**OPTIONAL_DEFAULTS, **row}
+    if clean["created_at"] is None:
+        clean["created_at"] = now
+    if isinstance(clean["info"], dict):
+        clean["info"] = json.dumps(clean["info"])
+    clean["reward"] = float(clean["reward"])
+    for name in FLOAT_LISTS:
+        if clean[name] is not None:
+            clean[name] = [float(x) for x in clean[name]]
+    return clean
 
 
 def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -164,7 +229,8 @@ def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
         if name == "ingest_seq":
             return name, "ingest_seq: assigned by the writer, must not be given"
         if name not in INPUT_SCHEMA.names:
-            return str(name), f"{name}: unknown field"
+            label = name if isinstance(name, str) else _safe_repr(name)
+            return label, f"{label}: unknown field"
     for name in REQUIRED:
         if name not in row:
             return name, f"{name}: missing required field"

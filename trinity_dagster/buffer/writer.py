@@ -56,6 +56,15 @@ class WriteReport:
         return {"written": self.written, "quarantined": self.quarantined, "version": self.version}
 
 
+def _check_rows_container(rows: object) -> None:
+    """Reject a lone row or a string, which would otherwise be iterated as rows."""
+    if isinstance(rows, Mapping | str | bytes):
+        raise TypeError(
+            f"ExperienceWriter.write: expected a sequence of row mappings or a pyarrow.Table, "
+            f"got a single {type(rows).__name__} (to write one row, pass [row])"
+        )
+
+
 class ExperienceWriter:
     """Appends validated experiences to the run's experiences table; safe across processes."""
 
@@ -70,7 +79,12 @@ class ExperienceWriter:
         self._seen_files: set[str] = set()
 
     def write(self, rows: Sequence[Mapping[str, Any]] | pa.Table) -> WriteReport:
-        """Validate `rows`, append the valid ones in one commit, quarantine the rest."""
+        """Validate `rows`, append the valid ones in one commit, quarantine the rest.
+
+        Raises TypeError when `rows` is a single row (a mapping) or text instead of a sequence
+        of rows or a table.
+        """
+        _check_rows_container(rows)
         now = dt.datetime.now(dt.UTC)
         structural: list[Rejection] = []
         if isinstance(rows, pa.Table):
