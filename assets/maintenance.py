@@ -16,15 +16,23 @@ _STATUS = (
 
 @dg.op(description="Compact and vacuum the experience, batch and quarantine tables.")
 def maintain_delta_tables(context: dg.OpExecutionContext, run_config: RunConfigResource) -> None:
-    """Compaction then vacuum; pinned batches stay replayable (they are stored in `batches`)."""
-    compacted = compact(run_config.config)
-    vacuumed = vacuum(run_config.config, retention_hours=_config.dagster.vacuum_retention_hours)
+    """Compaction then vacuum; pinned batches stay replayable (they are stored in `batches`).
+
+    Vacuum uses this run's `dagster.vacuum_retention_hours`, which overrides Delta's minimum.
+    """
+    config = run_config.config
+    compacted = compact(config)
+    vacuumed = vacuum(
+        config,
+        retention_hours=config.dagster.vacuum_retention_hours,
+        enforce_retention_duration=False,
+    )
     context.log.info(f"compacted: {compacted}; vacuumed: {vacuumed}")
 
 
 @dg.op(description="Delete checkpoints beyond trainer.max_checkpoints_to_keep.")
 def prune_old_checkpoints(context: dg.OpExecutionContext, run_config: RunConfigResource) -> None:
-    """Retention counted from what is on disk; never the newest complete checkpoint."""
+    """Retention counted from what is on disk; never the newest checkpoint that verifies."""
     deleted = retention.prune_checkpoints(
         run_config.paths, run_config.config.trainer.max_checkpoints_to_keep
     )

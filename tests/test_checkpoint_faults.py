@@ -17,13 +17,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_checkpoint_provider import TinyProvider
+from tests.test_checkpoint_retention import damage_checksum_only
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
     scan_step_dirs,
 )
-from trinity_dagster.checkpoint.manager import latest_complete
-from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.checkpoint.manager import CheckpointManager, latest_complete
+from trinity_dagster.checkpoint.manifest import (
+    MANIFEST_FILE,
+    CorruptCheckpointError,
+    verify_checkpoint,
+)
+from trinity_dagster.config import config_from_dict
 from trinity_dagster.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,3 +107,31 @@ def test_kill_9_at_random_moments_never_leaves_a_bad_checkpoint_visible(tmp_path
         newest_seen = step
     assert kills >= 10
     assert newest_seen > 0, "no checkpoint was ever completed"
+
+
+def test_when_every_checkpoint_is_damaged_the_error_lists_each_and_why(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    config = config_from_dict({"run_root": str(tmp_path)})
+    provider = TinyProvider()
+    saver = CheckpointManager(config, paths, provider)
+    for step in (1, 2):
+        provider.train()
+        saver.save(step, block=True)
+    damage_checksum_only(checkpoint_dir(paths, 1))
+    (checkpoint_dir(paths, 2) / MANIFEST_FILE).unlink()
+
+    restarted = CheckpointManager(config, paths, TinyProvider(seed=1))
+    with pytest.raises(CorruptCheckpointError) as info:
+        restarted.resume()
+    message = str(info.value)
+    assert message.startswith(f"no complete checkpoint under {paths.checkpoints}; tried 2: ")
+    assert "global_step_2 (" in message and "manifest.json: no manifest" in message
+    assert "global_step_1 (" in message and "model.pt: sha256" in message
+
+
+def test_with_no_checkpoint_at_all_load_says_there_is_none(tmp_path: Path) -> None:
+    config = config_from_dict({"run_root": str(tmp_path)})
+    manager = CheckpointManager(config, RunPaths.of(tmp_path), TinyProvider())
+    assert manager.resume() is None
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint under .*: no global_step"):
+        manager.load()

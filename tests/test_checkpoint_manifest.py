@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -130,9 +131,55 @@ def _escaping_path(ckpt: Path) -> str:
     return r"file path '\.\./outside\.bin' is not inside the checkpoint"
 
 
+def _no_files(ckpt: Path) -> str:
+    data = json.loads((ckpt / MANIFEST_FILE).read_text())
+    data["files"] = []
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(data))
+    return r"manifest\.json: manifest lists no files"
+
+
+def _directory_for_a_file(ckpt: Path) -> str:
+    """A listed file replaced by a directory whose size the manifest was edited to match."""
+    file = ckpt / "engine_state.json"
+    file.unlink()
+    file.mkdir()
+    data = json.loads((ckpt / MANIFEST_FILE).read_text())
+    for item in data["files"]:
+        if item["path"] == "engine_state.json":
+            item["size"] = file.stat().st_size
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(data))
+    return r"engine_state\.json: not a regular file"
+
+
+def _symlink_leaving(ckpt: Path) -> str:
+    """A listed file replaced by a symlink to an identical file outside the checkpoint."""
+    file = ckpt / "dist" / "shard_0.bin"
+    outside = ckpt.parent / "elsewhere.bin"
+    shutil.move(file, outside)
+    file.symlink_to(outside)
+    return r"shard_0\.bin: is or passes through a symlink to .*elsewhere\.bin \(outside the"
+
+
+def _symlinked_directory_leaving(ckpt: Path) -> str:
+    """A listed file's directory replaced by a symlink to an identical directory outside."""
+    outside = ckpt.parent / "elsewhere"
+    shutil.move(ckpt / "dist", outside)
+    (ckpt / "dist").symlink_to(outside, target_is_directory=True)
+    return r"dist/shard_0\.bin: is or passes through a symlink to .*elsewhere/shard_0\.bin \(out"
+
+
+STRUCTURAL_FAULTS = [
+    _no_files,
+    _directory_for_a_file,
+    _symlink_leaving,
+    _symlinked_directory_leaving,
+]
+
+
 @pytest.mark.parametrize(
     "corrupt",
     [
+        *STRUCTURAL_FAULTS,
         _truncate,
         _flip_byte,
         _delete_file,
@@ -150,6 +197,14 @@ def test_every_corruption_is_an_error_naming_the_file(tmp_path: Path, corrupt) -
     with pytest.raises(CorruptCheckpointError, match=pattern) as info:
         verify_checkpoint(ckpt)
     assert str(ckpt) in str(info.value)
+
+
+@pytest.mark.parametrize("corrupt", STRUCTURAL_FAULTS)
+def test_structural_faults_are_refused_without_checksums_too(tmp_path: Path, corrupt) -> None:
+    ckpt = _make_checkpoint(tmp_path)
+    pattern = corrupt(ckpt)
+    with pytest.raises(CorruptCheckpointError, match=pattern):
+        verify_checkpoint(ckpt, checksums=False)
 
 
 def test_without_checksums_a_flipped_byte_passes_but_a_truncation_does_not(

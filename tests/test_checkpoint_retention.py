@@ -119,3 +119,51 @@ def test_keep_none_keeps_every_complete_checkpoint(tmp_path: Path) -> None:
     assert _on_disk(paths) == [(s, "final") for s in (1, 2, 3, 4)]
     with pytest.raises(ValueError, match="max_checkpoints_to_keep must be >= 1 or None, got 0"):
         prune_checkpoints(paths, 0)
+
+
+def damage_checksum_only(ckpt: Path) -> None:
+    """Damage a checkpoint so that only its checksums notice (size and manifest intact)."""
+    file = ckpt / "model.pt"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+def test_a_damaged_newest_checkpoint_never_costs_the_older_good_one(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    provider = TinyProvider()
+    _save_steps(_manager(tmp_path, None, provider), [1, 2])
+    damage_checksum_only(checkpoint_dir(paths, 2))
+    assert prune_checkpoints(paths, 1) == []
+    assert _on_disk(paths) == [(1, "final"), (2, "final")]
+    # once a newer checkpoint verifies, it is the one kept; the damaged one goes too
+    _save_steps(_manager(tmp_path, 1, provider), [3])
+    assert _on_disk(paths) == [(3, "final")]
+
+
+def test_the_saving_manager_does_not_hash_its_own_checkpoints_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trinity_dagster.checkpoint import retention
+
+    verified: list[Path] = []
+    real_verify = retention.verify_checkpoint
+
+    def spy(path: Path, *, checksums: bool):
+        if checksums:
+            verified.append(Path(path))
+        return real_verify(path, checksums=checksums)
+
+    monkeypatch.setattr(retention, "verify_checkpoint", spy)
+    paths = RunPaths.of(tmp_path)
+    provider = TinyProvider()
+    _save_steps(_manager(tmp_path, None, provider), [1])  # written by another manager
+    manager = _manager(tmp_path, 2, provider)
+    _save_steps(manager, [2, 3, 4])
+    manager.wait_all()
+    assert _on_disk(paths) == [(3, "final"), (4, "final")]
+    assert verified == []  # 2, 3 and 4 were hashed by the manager that wrote them
+    # a checkpoint this manager did not write is verified before it is kept
+    damage_checksum_only(checkpoint_dir(paths, 4))
+    assert prune_checkpoints(paths, 1) == []
+    assert verified == [checkpoint_dir(paths, 4), checkpoint_dir(paths, 3)]

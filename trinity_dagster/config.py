@@ -247,8 +247,15 @@ class DagsterConfig(_Section):
     sensor_interval_s: int = Field(default=5, ge=1)
     schedules_running: bool = False
     maintenance_cron: str = "0 * * * *"
-    vacuum_retention_hours: float = Field(
-        default=168.0, ge=0, description="Delta vacuum keeps files younger than this."
+    vacuum_retention_hours: int = Field(
+        default=168,
+        ge=0,
+        description=(
+            "Delta vacuum deletes unreferenced files older than this many whole hours (Delta "
+            "takes whole hours, so e.g. 1.5 is refused). It overrides Delta's own 168-hour "
+            "minimum: keep it longer than the longest read of an old snapshot; 0 only while no "
+            "writer runs."
+        ),
     )
     eval_cron: str = "*/30 * * * *"
 

@@ -42,7 +42,14 @@ def compact(config: TrinityConfig) -> dict[str, dict[str, int]]:
 def vacuum(
     config: TrinityConfig, retention_hours: int, enforce_retention_duration: bool = True
 ) -> dict[str, int]:
-    """Delete unreferenced files older than `retention_hours`; files deleted per table."""
+    """Delete unreferenced files older than `retention_hours` (whole hours); deletions per table.
+
+    `enforce_retention_duration` refuses a retention below the table's own minimum (168 hours).
+    """
+    if isinstance(retention_hours, bool) or not isinstance(retention_hours, int):
+        raise TypeError(
+            f"vacuum: retention_hours must be whole hours (an int), got {retention_hours!r}"
+        )
     if retention_hours < 0:
         raise ValueError(f"vacuum: retention_hours must be >= 0, got {retention_hours}")
     return {

@@ -93,20 +93,45 @@ def _from_rank0(value: T) -> T:
     return box[0]
 
 
-def latest_complete(paths: RunPaths, *, checksums: bool = True) -> tuple[int, Path] | None:
-    """(step, directory) of the newest checkpoint that verifies, or None.
+def find_complete(
+    paths: RunPaths, *, checksums: bool = True
+) -> tuple[tuple[int, Path] | None, list[str]]:
+    """(step, directory) of the newest checkpoint that verifies (or None), and the rejected ones.
 
-    Partial or corrupt checkpoints newer than it are skipped with a warning naming them.
+    Each rejected `global_step_N/` newer than the one found is logged as a warning and listed
+    as `global_step_N (why)`.
     """
+    rejected = []
     finals = [d for d in scan_step_dirs(paths.checkpoints) if d.kind == "final"]
     for entry in reversed(finals):
         try:
             verify_checkpoint(entry.path, checksums=checksums)
         except CorruptCheckpointError as err:
             log.warning("skipping checkpoint %s: %s", entry.path, err)
+            rejected.append(f"{entry.path.name} ({err})")
             continue
-        return entry.step, entry.path
-    return None
+        return (entry.step, entry.path), rejected
+    return None, rejected
+
+
+def latest_complete(paths: RunPaths, *, checksums: bool = True) -> tuple[int, Path] | None:
+    """(step, directory) of the newest checkpoint that verifies, or None (see find_complete)."""
+    return find_complete(paths, checksums=checksums)[0]
+
+
+def _no_complete_checkpoint(paths: RunPaths, rejected: list[str]) -> Exception:
+    """The error for a load that found no complete checkpoint, listing each one it rejected.
+
+    FileNotFoundError if there was none at all, else CorruptCheckpointError.
+    """
+    if not rejected:
+        return FileNotFoundError(
+            f"no complete checkpoint under {paths.checkpoints}: no global_step_N/ directory"
+        )
+    return CorruptCheckpointError(
+        f"no complete checkpoint under {paths.checkpoints}; tried {len(rejected)}: "
+        + "; ".join(rejected)
+    )
 
 
 class CheckpointManager:
@@ -131,6 +156,7 @@ class CheckpointManager:
         self._pending: dict[int, SaveTicket] = {}
         self._helper: ThreadPoolExecutor | None = None
         self._retention: Future[Any] | None = None
+        self._hashed: set[Path] = set()  # installed by this manager from the files it wrote
         self.monitor = CheckpointMonitor(paths)
 
     # --- saving ----------------------------------------------------------------------
@@ -328,6 +354,7 @@ class CheckpointManager:
             discard_dir(final, ticket.step)
         os.rename(ticket.tmp_dir, final)
         fsync_dir(final.parent)
+        self._hashed.add(final)
         ticket.manifest = manifest
         log.info("checkpoint of step %d complete at %s", ticket.step, final)
 
@@ -347,6 +374,7 @@ class CheckpointManager:
             self.paths,
             self.config.trainer.max_checkpoints_to_keep,
             in_progress=[t.tmp_dir for t in self._pending.values()],
+            hashed=set(self._hashed),
         )
 
     # --- loading ---------------------------------------------------------------------
@@ -354,13 +382,14 @@ class CheckpointManager:
         """Verify checkpoint `step` (None: the newest complete one), load it into the provider.
 
         Returns its manifest (with the sampler state). A damaged checkpoint raises
-        CorruptCheckpointError naming the file; no checkpoint at all raises FileNotFoundError.
+        CorruptCheckpointError naming the file, and so does finding every checkpoint damaged
+        (listing each one and why); no checkpoint at all raises FileNotFoundError.
         """
         self._check_retention(block=True)
         if step is None:
-            found = _from_rank0(latest_complete(self.paths, checksums=self.writer))
+            found, rejected = _from_rank0(find_complete(self.paths, checksums=self.writer))
             if found is None:
-                raise FileNotFoundError(f"no complete checkpoint under {self.paths.checkpoints}")
+                raise _no_complete_checkpoint(self.paths, rejected)
             directory = checkpoint_dir(self.paths, found[0])
             manifest = read_manifest(directory)
         else:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -92,6 +93,8 @@ class Manifest:
             )
         except (ValueError, TypeError, KeyError, AttributeError) as err:
             raise CorruptCheckpointError(f"{source}: bad manifest JSON: {err}") from None
+        if not manifest.files:
+            raise CorruptCheckpointError(f"{source}: manifest lists no files")
         if manifest.version != MANIFEST_VERSION:
             raise CorruptCheckpointError(
                 f"{source}: manifest version {manifest.version} is not {MANIFEST_VERSION}"
@@ -186,24 +189,39 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
 def verify_checkpoint(ckpt_dir: Path, *, checksums: bool = True) -> Manifest:
     """Check every file the manifest lists (presence, size and, if `checksums`, sha256).
 
-    Returns the manifest; raises CorruptCheckpointError naming the first bad file.
+    Every listed file must be a regular file reached without symlinks. Returns the manifest;
+    raises CorruptCheckpointError naming the first bad file.
     """
     manifest = read_manifest(ckpt_dir)
+    root = Path(os.path.realpath(ckpt_dir))
     for entry in manifest.files:
-        file = ckpt_dir / entry.path
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{file}: missing (listed in the manifest)") from None
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"{file}: size {size} bytes, the manifest says {entry.size}"
-            )
-        if checksums:
-            digest = sha256_file(file)
-            if digest != entry.sha256:
-                raise CorruptCheckpointError(
-                    f"{file}: sha256 {digest[:12]}... does not match the manifest "
-                    f"({entry.sha256[:12]}...)"
-                )
+        _verify_file(ckpt_dir / entry.path, root, entry, checksums=checksums)
     return manifest
+
+
+def _verify_file(file: Path, root: Path, entry: FileEntry, *, checksums: bool) -> None:
+    """Raise CorruptCheckpointError unless `file` is a regular file under `root` as `entry` says."""
+    try:
+        info = file.lstat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise CorruptCheckpointError(f"{file}: missing (listed in the manifest)") from None
+    resolved = Path(os.path.realpath(file))
+    if resolved != root / entry.path:
+        where = "inside" if resolved.is_relative_to(root) else "outside"
+        raise CorruptCheckpointError(
+            f"{file}: is or passes through a symlink to {resolved} ({where} the checkpoint); "
+            "checkpoint files must be regular files"
+        )
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptCheckpointError(f"{file}: not a regular file (listed in the manifest)")
+    if info.st_size != entry.size:
+        raise CorruptCheckpointError(
+            f"{file}: size {info.st_size} bytes, the manifest says {entry.size}"
+        )
+    if checksums:
+        digest = sha256_file(file)
+        if digest != entry.sha256:
+            raise CorruptCheckpointError(
+                f"{file}: sha256 {digest[:12]}... does not match the manifest "
+                f"({entry.sha256[:12]}...)"
+            )
