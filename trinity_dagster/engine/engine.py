@@ -173,6 +173,7 @@ class TrainEngine:
         dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
         if self.config.trainer.optim.grad_clip == 0:
             grad_norm = self.optimizer.get_grad_norm()
+        self._async_saves.wait_for_snapshots()
         ok, clip_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (grad overflow)")
@@ -347,7 +348,7 @@ class TrainEngine:
     def save_state(self, ckpt_dir: Path, *, background: bool = False) -> SaveHandle:
         """Save weights, optimizer, LR scheduler, RNG states and step to `ckpt_dir`.
 
-        With `background`, tensors are written by a separate process and training may go on;
+        With `background`, tensors are written in the background and training may go on;
         the returned handle's `done()`/`wait()` are collective (call them on every rank).
         The model's HF config and tokenizer go to `model/`, so the state converts on its own.
         """
@@ -379,6 +380,7 @@ class TrainEngine:
         For exporting a checkpoint whatever the run's optimizer or schedule settings were.
         """
         meta = read_engine_state(Path(ckpt_dir))
+        self._async_saves.wait_for_snapshots()
         loaded = dist_checkpointing.load(
             {"model": self._gpt.sharded_state_dict()}, str(Path(ckpt_dir) / DIST_DIR)
         )

@@ -7,8 +7,9 @@ Layout of a state directory (every rank takes part in writing and reading it):
     engine_state.json     {"step": N, ...}, written by rank 0 last: the state is complete
 
 Background saves use dist_checkpointing's async save, so training may go on while the tensors
-are written: from a snapshot by a writer thread on CPU (`ThreadAsyncCaller`), by Megatron's
-forked writer process with CUDA (see `SaveQueue`).
+are written: from a snapshot taken and written by threads on CPU (`ThreadAsyncCaller`; the
+engine waits for the snapshot before its next optimizer step), by Megatron's forked writer
+process with CUDA (see `SaveQueue`).
 
 What a save costs the caller is kept small: the save strategy (with its cached save plans) is
 reused while the state's structure stays the same, and Megatron's sharding validation (a
@@ -203,17 +204,21 @@ class ThreadAsyncCaller(AsyncCaller):
     For a model in host memory (CPU training) this is cheaper for the train loop than
     Megatron's forked writer: after a fork, copy-on-write makes the next steps copy every page
     they touch (about 0.1 s per 100 MiB here), while the snapshot is one copy of the tensors to
-    write. Writes run one save at a time in order (`writer`, one worker), so each save's
-    results reach the shared results queue in the order they are finalized. Otherwise as
+    write. The snapshot is taken on the snapshot thread while training goes on; whoever changes
+    the weights or optimizer state in place first waits for it (`SaveQueue.wait_for_snapshots`).
+    Snapshots and writes each run one save at a time in order, so each save's results reach
+    the shared results queue in the order they are finalized. Otherwise as
     `TemporalAsyncCaller`: every rank must agree that the write is done.
     """
 
-    def __init__(self, writer: ThreadPoolExecutor) -> None:
+    def __init__(self, snapshotter: ThreadPoolExecutor, writer: ThreadPoolExecutor) -> None:
+        self._snapshotter = snapshotter
         self._writer = writer
+        self.snapshot: Future[list[Any]] | None = None
         self._write: Future[None] | None = None
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Snapshot the tensors to write and queue the write on the writer thread."""
+        """Queue the snapshot of the tensors to write, then their write."""
         if async_req.async_fn is None:
             return
         write_fn = async_req.async_fn
@@ -224,8 +229,9 @@ class ThreadAsyncCaller(AsyncCaller):
         ):
             raise TypeError(f"ThreadAsyncCaller cannot run {write_fn!r}")
         _, buckets, results = async_req.async_fn_args
-        snapshot = _clone_buckets(buckets)
-        self._write = self._writer.submit(_write_buckets, write_fn.args[0], snapshot, results)
+        snapshot = self._snapshotter.submit(_clone_buckets, buckets)
+        self.snapshot = snapshot
+        self._write = self._writer.submit(_write_snapshot, write_fn.args[0], snapshot, results)
 
     def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
         """Whether the write finished on every rank (waits for it when `blocking`)."""
@@ -246,19 +252,39 @@ class ThreadAsyncCaller(AsyncCaller):
         pass
 
 
+def _write_snapshot(transforms: list[Any], snapshot: Future[list[Any]], results: Any) -> None:
+    """`_write_buckets` of the snapshot once it is taken (its error, if taking it failed)."""
+    try:
+        buckets = snapshot.result()
+    except Exception as err:
+        results.put(err)
+        return
+    _write_buckets(transforms, buckets, results)
+
+
 class _ThreadCallsQueue(AsyncCallsQueue):
-    """`AsyncCallsQueue` whose calls run on one writer thread (`ThreadAsyncCaller`)."""
+    """`AsyncCallsQueue` whose calls run on a snapshot thread and a writer thread."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._snapshotter = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-snapshot")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self._last_caller: ThreadAsyncCaller | None = None
 
     def _get_async_caller(self) -> AsyncCaller:
-        return ThreadAsyncCaller(self._writer)
+        self._last_caller = ThreadAsyncCaller(self._snapshotter, self._writer)
+        return self._last_caller
+
+    def wait_for_snapshots(self) -> None:
+        """Block until every scheduled save has copied its tensors."""
+        caller = self._last_caller
+        if caller is not None and caller.snapshot is not None:
+            caller.snapshot.exception()  # a failed snapshot is raised when the save finalizes
 
     def close(self, abort: bool = False) -> None:
-        """Finalize every call, then stop the writer thread."""
+        """Finalize every call, then stop the threads."""
         super().close(abort=abort)
+        self._snapshotter.shutdown(wait=True)
         self._writer.shutdown(wait=True)
 
 
@@ -281,6 +307,16 @@ class SaveQueue:
     def schedule(self, request: Any) -> int:
         """Start writing `request` in the background; its call index."""
         return self._calls.schedule_async_request(request)
+
+    def wait_for_snapshots(self) -> None:
+        """Block until the saves in flight no longer read the live tensors.
+
+        Call it before changing weights or optimizer state in place. With the thread writer the
+        tensors are copied in the background after `schedule` returns; the forked writer has
+        its copy once `schedule` returns.
+        """
+        if isinstance(self._calls, _ThreadCallsQueue):
+            self._calls.wait_for_snapshots()
 
     def finalize(self, *, blocking: bool) -> None:
         """Finalize the saves whose writers finished (all of them when `blocking`)."""
