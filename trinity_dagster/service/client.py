@@ -8,6 +8,8 @@ import httpx
 
 from trinity_dagster.service.protocol import TOKEN_HEADER
 
+CONNECT_TIMEOUT_S = 5.0
+
 
 class EngineError(RuntimeError):
     """The engine refused or failed a command; holds the engine's message and traceback."""
@@ -27,15 +29,20 @@ class EngineUnreachable(ConnectionError):
     """No service answers at the address."""
 
 
+class EngineTimeout(TimeoutError):
+    """The service took longer than the client's timeout to answer."""
+
+
 class EngineClient:
     """Sends control commands to one running engine service."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 1800.0) -> None:
         self.url = url
+        self.timeout_s = timeout_s
         self._client = httpx.Client(
             base_url=url,
             headers={TOKEN_HEADER: f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
             trust_env=False,
         )
 
@@ -54,6 +61,12 @@ class EngineClient:
             response = self._client.request(method, path, json=body)
         except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as err:
             raise EngineUnreachable(f"engine service at {self.url} is unreachable: {err}") from err
+        except httpx.TimeoutException as err:
+            raise EngineTimeout(
+                f"engine service at {self.url} did not answer {method} {path} in time "
+                f"({type(err).__name__}; timeouts: connect {CONNECT_TIMEOUT_S:g} s, "
+                f"reply {self.timeout_s:g} s)"
+            ) from err
         if response.status_code == 200:
             return response.json()
         try:

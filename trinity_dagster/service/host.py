@@ -45,7 +45,12 @@ from trinity_dagster.engine.engine import TrainEngine
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.protocol import BadRequestError, StepOrderError
-from trinity_dagster.service.records import read_record, record_path, write_record
+from trinity_dagster.service.records import (
+    read_record,
+    record_path,
+    unrecorded_span,
+    write_record,
+)
 from trinity_dagster.step_checks import sync_blockers
 
 log = logging.getLogger(__name__)
@@ -137,11 +142,11 @@ class EngineHost:
                     f"at {record_path(self.paths, step)}"
                 )
             return {**record, "already_trained": True, "replayed": []}
-        missing = [s for s in range(current + 1, step) if read_record(self.paths, s) is None]
-        if missing:
+        missing = unrecorded_span(self.paths, current + 1, step - 1)
+        if missing is not None:
             raise StepOrderError(
                 f"cannot train step {step}: the engine is at step {current} and steps "
-                f"{missing[0]}..{missing[-1]} have not been trained; train them first"
+                f"{missing[0]}..{missing[1]} have not been trained; train them first"
             )
         replayed = list(range(current + 1, step))
         for earlier in replayed:

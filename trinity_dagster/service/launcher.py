@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient, EngineError, EngineUnreachable
+from trinity_dagster.service.processes import (
+    AGENT_MODULE,
+    RANK_MODULE,
+    end_processes,
+    frozen,
+    process_tree,
+    runs_rank,
+    service_processes,
+)
 from trinity_dagster.service.state import (
     CONFIG_FILE,
     ServiceState,
@@ -34,17 +43,22 @@ from trinity_dagster.service.state import (
 )
 
 LOG_FILE = "engine.log"
+SILENT_AFTER_S = 10.0  # `status` is answered from a snapshot, even while a step trains
+STOP_GRACE_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class ServiceStartError(RuntimeError):
     """The engine service did not come up; the message holds the end of its log."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@dataclass(frozen=True)
+class SilentService:
+    """A service whose processes exist but that does not answer (stopped, hung)."""
+
+    state: ServiceState
+    reason: str
 
 
 def log_path(paths: RunPaths) -> Path:
@@ -56,42 +70,46 @@ def _client(state: ServiceState, paths: RunPaths, timeout_s: float) -> EngineCli
     return EngineClient(state.url, read_token(paths), timeout_s=timeout_s)
 
 
-def live_service(paths: RunPaths) -> ServiceState | None:
-    """The running service of this run root that answers `status`, or None (stale state cleared)."""
+def find_service(paths: RunPaths) -> ServiceState | SilentService | None:
+    """This run root's service: answering, silent, or None (a stale state file is cleared)."""
     state = read_state(paths)
     if state is None:
         return None
-    if pid_alive(state.pid):
-        try:
-            with _client(state, paths, timeout_s=10) as client:
-                client.status()
-            return state
-        except (EngineUnreachable, EngineError, OSError):
-            pass
-        # alive but silent: a hung or half-dead service
-        _kill_service(state)
-    clear_state(paths, state.pid)
-    return None
+    if not (pid_alive(state.pid) and runs_rank(state.pid)):
+        clear_state(paths, state.pid)
+        return None
+    stopped = frozen(service_processes(state))
+    if stopped:
+        return SilentService(state, f"its processes are stopped: {', '.join(stopped)}")
+    token = read_token(paths)  # a bad token file is the caller's problem, not the service's
+    try:
+        with EngineClient(state.url, token, timeout_s=SILENT_AFTER_S) as client:
+            client.status()
+    except (EngineUnreachable, EngineError, OSError) as err:
+        return SilentService(state, f"rank 0 (pid {state.pid}) does not answer: {err}")
+    return state
 
 
-def _kill_service(state: ServiceState) -> None:
-    """Stop the torchrun agent (it stops its ranks), then make sure rank 0 is gone too."""
-    _kill_group(state.launcher_pid)
-    _kill_group(state.pgid)
+def replace_silent(paths: RunPaths, silent: SilentService) -> list[int]:
+    """SIGKILL a silent service's processes and clear its state file; the pids killed."""
+    killed = end_processes(service_processes(silent.state), grace_s=0)
+    clear_state(paths, silent.state.pid)
+    return killed
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGTERM the process group whose leader is `pgid`, then SIGKILL it if it stays."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while pid_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not pid_alive(pgid):
-            return
+def live_service(paths: RunPaths) -> ServiceState | None:
+    """The running service of this run root that answers `status`, or None.
+
+    A silent service is killed and its state file cleared, so that a new one can start.
+    """
+    found = find_service(paths)
+    if isinstance(found, SilentService):
+        killed = replace_silent(paths, found)
+        log.warning(
+            "killed the silent engine service of %s (%s): pids %s", paths.root, found.reason, killed
+        )
+        return None
+    return found
 
 
 @contextlib.contextmanager
@@ -105,18 +123,16 @@ def _start_lock(paths: RunPaths) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def launch_command(config_file: Path, world_size: int, master_port: int) -> list[str]:
-    """The torchrun command line of the service."""
+def launch_command(config_file: Path, world_size: int) -> list[str]:
+    """The command line of the service: torchrun, rendezvous on loopback (see `agent.py`)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         f"--nproc_per_node={world_size}",
         "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={master_port}",
         "-m",
-        "trinity_dagster.service.main",
+        RANK_MODULE,
         "-c",
         str(config_file),
     ]
@@ -137,7 +153,7 @@ def start_service(config: TrinityConfig) -> ServiceState:
         offset = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as log_handle:
             process = subprocess.Popen(
-                launch_command(config_file, config.megatron.world_size, free_port()),
+                launch_command(config_file, config.megatron.world_size),
                 stdin=subprocess.DEVNULL,
                 stdout=log_handle,
                 stderr=subprocess.STDOUT,
@@ -163,7 +179,7 @@ def _wait_until_up(
         if state is not None and state.launcher_pid == process.pid:
             return state
         time.sleep(0.2)
-    _kill_group(process.pid)
+    end_processes(process_tree(process.pid), grace_s=STOP_GRACE_S)
     raise ServiceStartError(
         f"engine service did not answer within {timeout_s:.0f} s; end of {log}:\n"
         f"{_log_tail(log, offset)}"
@@ -183,29 +199,44 @@ def _log_tail(log: Path, offset: int, lines: int = 40) -> str:
 def connect(config: TrinityConfig, *, autostart: bool = True) -> EngineClient:
     """A client of this run's service, starting the service first if allowed and needed."""
     paths = RunPaths.of(config.run_root)
-    state = start_service(config) if autostart else live_service(paths)
-    if state is None:
+    found = start_service(config) if autostart else find_service(paths)
+    if isinstance(found, SilentService):
+        raise EngineUnreachable(
+            f"the engine service of {paths.root} does not answer ({found.reason}); "
+            "`trinity-dagster engine start -c CONFIG` replaces it"
+        )
+    if found is None:
         raise EngineUnreachable(
             f"no engine service runs for {paths.root}; start one with "
             "`trinity-dagster engine start -c CONFIG`"
         )
-    return _client(state, paths, config.service.request_timeout_s)
+    return _client(found, paths, config.service.request_timeout_s)
 
 
 def stop_service(paths: RunPaths, timeout_s: float = 120.0) -> bool:
-    """Shut the service down cleanly (pending saves finish); kill it if it won't go."""
+    """Shut the service down cleanly (pending saves finish); kill it if it won't go.
+
+    A silent service is killed at once. Returns whether there was a service to stop.
+    """
     state = read_state(paths)
     if state is None:
         return False
-    if pid_alive(state.pid):
-        try:
-            with _client(state, paths, timeout_s=timeout_s) as client:
-                client.shutdown()
-        except (EngineUnreachable, EngineError, OSError):
-            pass
-        deadline = time.monotonic() + timeout_s
-        while pid_alive(state.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    _kill_service(state)
+    found = find_service(paths)
+    if isinstance(found, ServiceState):
+        _shut_down(found, paths, timeout_s)
+    grace_s = 0 if isinstance(found, SilentService) else STOP_GRACE_S
+    end_processes(service_processes(state), grace_s=grace_s)
     clear_state(paths, state.pid)
     return True
+
+
+def _shut_down(state: ServiceState, paths: RunPaths, timeout_s: float) -> None:
+    """Ask the service to exit and wait (up to `timeout_s`) until rank 0 is gone."""
+    try:
+        with _client(state, paths, timeout_s=timeout_s) as client:
+            client.shutdown()
+    except (EngineUnreachable, EngineError, OSError):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(state.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 TOKEN_HEADER = "Authorization"
+MAX_STEP = 999_999_999
+
+
+def _step_from(low: int) -> AfterValidator:
+    """A check that a step lies in low..MAX_STEP (the message names both)."""
+
+    def check(step: int) -> int:
+        if not low <= step <= MAX_STEP:
+            raise ValueError(f"step {step} is outside the allowed range {low}..{MAX_STEP}")
+        return step
+
+    return AfterValidator(check)
+
+
+TrainedStep = Annotated[int, _step_from(1)]
+WeightsStep = Annotated[int, _step_from(0)]
 
 
 class _Request(BaseModel):
@@ -14,13 +32,13 @@ class _Request(BaseModel):
 class TrainStepRequest(_Request):
     """Train step N on the rows pinned to N."""
 
-    step: int = Field(ge=1)
+    step: TrainedStep
 
 
 class SaveCheckpointRequest(_Request):
     """Make sure a complete checkpoint of step N exists (the engine must be at N to write one)."""
 
-    step: int = Field(ge=1)
+    step: TrainedStep
     block: bool = Field(default=True, description="Wait until the checkpoint is complete.")
     hf: bool = Field(default=False, description="Also export a Hugging Face directory.")
     serves_as_sync: bool = Field(
@@ -31,7 +49,7 @@ class SaveCheckpointRequest(_Request):
 class SyncWeightRequest(_Request):
     """Make sure the weights of step N are published to explorers."""
 
-    step: int = Field(ge=0)
+    step: WeightsStep
 
 
 class CommandError(Exception):

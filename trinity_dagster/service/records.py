@@ -9,6 +9,7 @@ engine replay steps after a restart from an older checkpoint. No torch here.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from trinity_dagster.paths import RunPaths
 
 RECORDS_DIR = "steps"
 STEP_FILE_WIDTH = 6
+_RECORD_NAME = re.compile(r"step_(\d+)\.json")
 
 
 def record_path(paths: RunPaths, step: int) -> Path:
@@ -35,3 +37,29 @@ def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
 def write_record(paths: RunPaths, record: dict[str, Any]) -> None:
     """Write (atomically) the record of `record["step"]`."""
     write_atomic(record_path(paths, record["step"]), json.dumps(record, indent=1))
+
+
+def recorded_steps(paths: RunPaths) -> set[int]:
+    """The steps that have a record (one directory listing, however far apart they are)."""
+    try:
+        names = [entry.name for entry in (paths.logs / RECORDS_DIR).iterdir()]
+    except FileNotFoundError:
+        return set()
+    return {int(match[1]) for name in names if (match := _RECORD_NAME.fullmatch(name))}
+
+
+def unrecorded_span(paths: RunPaths, first: int, last: int) -> tuple[int, int] | None:
+    """The lowest and highest step of first..last without a record, or None if all have one.
+
+    Costs one directory listing plus at most one look-up per record, not one per step.
+    """
+    recorded = recorded_steps(paths)
+    low = first
+    while low <= last and low in recorded:
+        low += 1
+    if low > last:
+        return None
+    high = last
+    while high in recorded:
+        high -= 1
+    return low, high

@@ -24,16 +24,28 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    AuthenticationError,
+    BaseUser,
+    SimpleUser,
+)
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.requests import HTTPConnection
 
 from trinity_dagster.service.protocol import (
+    TOKEN_HEADER,
     CommandError,
     SaveCheckpointRequest,
     SyncWeightRequest,
     TrainStepRequest,
     error_payload,
 )
+from trinity_dagster.service.state import check_token
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +53,7 @@ HEARTBEAT_S = 60.0
 SHUTDOWN = "shutdown"
 NOOP = "noop"
 POLL = "poll"
+MAX_BODY_BYTES = 64 * 1024  # requests are a few small JSON fields
 
 
 class Host(Protocol):
@@ -117,18 +130,56 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class BearerToken(AuthenticationBackend):
+    """Admits a request only if it carries `Authorization: Bearer <the service token>`."""
+
+    def __init__(self, token: str) -> None:
+        check_token(token, "the control API's token")
+        self._expected = f"Bearer {token}".encode()
+
+    async def authenticate(self, conn: HTTPConnection) -> tuple[AuthCredentials, BaseUser]:
+        """Credentials of a request with the right token; raises for any other request."""
+        given = conn.headers.get(TOKEN_HEADER, "").encode()
+        if not secrets.compare_digest(given, self._expected):
+            raise AuthenticationError("missing or wrong service token")
+        return AuthCredentials(["control"]), SimpleUser("trainer")
+
+
+def _refuse_unauthenticated(_: HTTPConnection, err: AuthenticationError) -> JSONResponse:
+    return JSONResponse(
+        status_code=401,
+        content=error_payload(err, ""),
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def _invalid_request(request: Request, err: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+        for problem in err.errors()
+    )
+    message = f"invalid request to {request.url.path}: {problems}"
+    return JSONResponse(status_code=422, content={**error_payload(err, ""), "error": message})
+
+
 def build_app(
     bus: CommandBus, token: str, status: Callable[[], dict[str, Any]], timeout: float
 ) -> FastAPI:
-    """The FastAPI application of the control API."""
-    app = FastAPI(title="trinity-dagster engine service", docs_url=None, redoc_url=None)
+    """The FastAPI application of the control API.
 
-    def authorize(authorization: str | None = Header(default=None)) -> None:
-        expected = f"Bearer {token}"
-        if authorization is None or not secrets.compare_digest(
-            authorization.encode(), expected.encode()
-        ):
-            raise HTTPException(status_code=401, detail="missing or wrong service token")
+    The token is checked before anything reads a request (unauthenticated bodies are never
+    read), bodies over `MAX_BODY_BYTES` get 413, and only JSON bodies are accepted.
+    """
+    app = FastAPI(
+        title="trinity-dagster engine service",
+        docs_url=None,
+        redoc_url=None,
+        max_body_size=MAX_BODY_BYTES,
+    )
+    app.add_middleware(
+        AuthenticationMiddleware, backend=BearerToken(token), on_error=_refuse_unauthenticated
+    )
+    app.add_exception_handler(RequestValidationError, _invalid_request)
 
     @app.exception_handler(CommandError)
     def command_error(_: Request, err: CommandError) -> JSONResponse:
@@ -137,25 +188,23 @@ def build_app(
     def run(op: str, args: dict[str, Any]) -> dict[str, Any]:
         return bus.submit(op, args, timeout)
 
-    auth = [Depends(authorize)]
-
-    @app.get("/status", dependencies=auth)
+    @app.get("/status")
     def get_status() -> dict[str, Any]:
         return {**status(), "busy_with": bus.busy_with}
 
-    @app.post("/train_step", dependencies=auth)
+    @app.post("/train_step")
     def train_step(req: TrainStepRequest) -> dict[str, Any]:
         return run("train_step", req.model_dump())
 
-    @app.post("/save_checkpoint", dependencies=auth)
+    @app.post("/save_checkpoint")
     def save_checkpoint(req: SaveCheckpointRequest) -> dict[str, Any]:
         return run("save_checkpoint", req.model_dump())
 
-    @app.post("/sync_weight", dependencies=auth)
+    @app.post("/sync_weight")
     def sync_weight(req: SyncWeightRequest) -> dict[str, Any]:
         return run("sync_weight", req.model_dump())
 
-    @app.post("/shutdown", dependencies=auth)
+    @app.post("/shutdown")
     def shutdown() -> dict[str, Any]:
         return run(SHUTDOWN, {})
 

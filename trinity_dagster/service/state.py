@@ -20,10 +20,11 @@ from trinity_dagster.paths import RunPaths
 TOKEN_FILE = "token"
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
+MIN_TOKEN_CHARS = 32
 
 
 class TokenFileError(PermissionError):
-    """The token file is missing or readable by other users."""
+    """The token file is missing, too short, or readable by other users."""
 
 
 def token_path(paths: RunPaths) -> Path:
@@ -31,21 +32,25 @@ def token_path(paths: RunPaths) -> Path:
     return paths.service / TOKEN_FILE
 
 
+def check_token(token: str, where: str) -> None:
+    """Refuse an empty or short token (`where` names its source in the message)."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise TokenFileError(
+            f"{where} has {len(token)} characters; a service token needs at least "
+            f"{MIN_TOKEN_CHARS} (delete a bad token file: the next start writes a new one)"
+        )
+
+
 def ensure_token(paths: RunPaths) -> str:
-    """The service token, created with mode 0600 on first use."""
+    """The service token, created on first use (mode 0600 before the secret is written)."""
     path = token_path(paths)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return read_token(paths)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_urlsafe(32))
+    if not path.exists():
+        write_atomic(path, secrets.token_urlsafe(32))  # a mode-0600 temp file, then renamed
     return read_token(paths)
 
 
 def read_token(paths: RunPaths) -> str:
-    """The service token; refuses a token file that group or others can read."""
+    """The service token; refuses a token file that is too short or others can read."""
     path = token_path(paths)
     try:
         mode = path.stat().st_mode
@@ -58,7 +63,9 @@ def read_token(paths: RunPaths) -> str:
             f"service token {path} is accessible by other users (mode {oct(mode & 0o777)}); "
             "it must be 0600"
         )
-    return path.read_text().strip()
+    token = path.read_text().strip()
+    check_token(token, f"service token {path}")
+    return token
 
 
 @dataclass(frozen=True)
