@@ -19,6 +19,11 @@ from trinity_dagster.buffer.schema import ROW_GROUP_ROWS
 
 T = TypeVar("T")
 
+# Opening a table replays the log commits since its last checkpoint; a commit per step would
+# make every open slower until Delta's default checkpoint at 100 commits (measured: 1.5 ms
+# at 5 commits, 12 ms at 50). A checkpoint every 10 commits keeps an open at about 3 ms.
+TABLE_CONFIGURATION = {"delta.checkpointInterval": "10"}
+
 
 class CommitRetriesExhaustedError(RuntimeError):
     """A commit kept conflicting with concurrent commits after all allowed retries."""
@@ -50,13 +55,16 @@ def table_log_mtime(path: Path) -> int | None:
 
 
 def open_or_create(path: Path, schema: pa.Schema) -> DeltaTable:
-    """The Delta table at `path`, created empty with `schema` if absent (safe under races)."""
+    """The Delta table at `path`, created empty with `schema` if absent (safe under races).
+
+    A new table gets `TABLE_CONFIGURATION`.
+    """
     table = open_table(path)
     if table is not None:
         return table
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return DeltaTable.create(str(path), schema, mode="error")
+        return DeltaTable.create(str(path), schema, mode="error", configuration=TABLE_CONFIGURATION)
     except (DeltaError, CommitFailedError):
         # Another process created it between the check and the create.
         table = open_table(path)
