@@ -24,7 +24,7 @@ from assets.steps import numeric_metadata, run_steps, step_materialization
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.buffer.reader import load_step_batch
-from trinity_dagster.buffer.sampler import NotEnoughData, PinResult, pin_batch
+from trinity_dagster.buffer.sampler import PinResult, PinShortfall, pin_batch
 from trinity_dagster.checkpoint.layout import latest_weights_version
 from trinity_dagster.service.records import read_record
 from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
@@ -203,7 +203,7 @@ def train(
     for step in steps:
         if BATCH in selected:
             pinned = pin_batch(run_config.config, step)
-            if isinstance(pinned, NotEnoughData):
+            if isinstance(pinned, PinShortfall):
                 raise dg.Failure(f"not enough experiences for step {step}: {pinned.message}")
             metadata = batch_metadata(run_config, step, pinned)
             context.log_event(step_materialization(BATCH, step, metadata))

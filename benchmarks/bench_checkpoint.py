@@ -14,7 +14,7 @@ and Adam state) is trained by a `TrainEngine`; a `CheckpointManager` saves it.
 - publishing synced weights (`publish_weights` of the engine's `hf_state_dict()`) against a
   plain `safetensors.torch.save_file` of the same tensors.
 - the same background save with Megatron's forked writer process (`fork_writer_*`), the
-  engine's writer before it wrote from a snapshot on a thread (see `engine/state.py`).
+  engine's writer before it wrote from a snapshot on a thread (see `engine/async_save.py`).
 
 Each figure is the median of `--repeats`; the last line printed is one JSON object. Torch runs
 with `--threads` intra-op threads (1: on a small shared machine more threads make every step,
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,11 +33,7 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.synthetic import grpo_batch, make_llama_dir  # noqa: E402
+from benchmarks.synthetic import grpo_batch, make_llama_dir
 
 
 def timed(fn) -> float:
@@ -113,7 +108,7 @@ class Loop:
         `writer` picks the engine's state writer for this save ("thread", "fork"; None: the
         engine's default).
         """
-        from trinity_dagster.engine.state import SaveQueue
+        from trinity_dagster.engine.async_save import SaveQueue
 
         default = self.engine._async_saves
         if writer is not None:

@@ -34,14 +34,14 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from trinity_dagster.commands.training_run import metadata_values
+from trinity_dagster.config import TrinityConfig, load_config
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.service.records import read_record
 
-from trinity_dagster.config import TrinityConfig, load_config  # noqa: E402
-from trinity_dagster.paths import RunPaths  # noqa: E402
-from trinity_dagster.service.launcher import stop_service  # noqa: E402
-from trinity_dagster.service.records import read_record  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODULE = "benchmarks.bench_daemon"
 
 PHASES = ("direct", "daemon")
 GOAL_RATIO = 1.25
@@ -161,9 +161,7 @@ def _train_metadata(instance: Any) -> dict[int, dict[str, Any]]:
 
     records = instance.fetch_materializations(dg.AssetKey("train_step"), limit=10_000).records
     return {
-        int(r.asset_materialization.partition): {
-            k: v.value for k, v in r.asset_materialization.metadata.items()
-        }
+        int(r.asset_materialization.partition): metadata_values(r.asset_materialization)
         for r in records
         if r.asset_materialization is not None and r.asset_materialization.partition
     }
@@ -250,7 +248,7 @@ def main() -> None:
         base = args.keep or Path(tmp)
         for phase in PHASES:
             root = base / f"{phase}-run"
-            command = [sys.executable, __file__, "--phase", phase, "--root", str(root)]
+            command = [sys.executable, "-m", MODULE, "--phase", phase, "--root", str(root)]
             command += ["--steps", str(args.steps), "--save-interval", str(args.save_interval)]
             try:
                 done = subprocess.run(

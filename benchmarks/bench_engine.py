@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.synthetic import grpo_batch, make_llama_dir  # noqa: E402
+from benchmarks.synthetic import grpo_batch, make_llama_dir
 
 
 def build_engine(hf_dir: Path, args: argparse.Namespace):

@@ -36,15 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from tests.run_helpers import pin_steps, tiny_config
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import connect, stop_service
+from trinity_dagster.service.records import read_record
 
-from tests.run_helpers import pin_steps, tiny_config  # noqa: E402
-from trinity_dagster.config import TrinityConfig  # noqa: E402
-from trinity_dagster.paths import RunPaths  # noqa: E402
-from trinity_dagster.service.launcher import connect, stop_service  # noqa: E402
-from trinity_dagster.service.records import read_record  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODULE = "benchmarks.bench_orchestration"
 
 PHASES = ("direct", "ranged", "per_run")
 # the model and batch of bench_engine.py (its defaults): a step is seconds of engine work
@@ -219,7 +218,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_orchestration_") as tmp:
         for index, phase in enumerate(order[: len(PHASES) * args.repeats]):
             root = f"{tmp}/{index}-{phase}"
-            command = [sys.executable, __file__, "--phase", phase, "--root", root]
+            command = [sys.executable, "-m", MODULE, "--phase", phase, "--root", root]
             done = subprocess.run(
                 [*command, "--steps", str(args.steps)],
                 capture_output=True,

@@ -23,13 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from tests.run_helpers import fill_buffer, pin_steps, tiny_config
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import connect, stop_service
 
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config  # noqa: E402
-from trinity_dagster.paths import RunPaths  # noqa: E402
-from trinity_dagster.service.launcher import connect, stop_service  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 ATTACH_SCRIPT = (
     "import sys; from trinity_dagster.config import load_config; "

@@ -5,10 +5,8 @@ from functools import cached_property
 
 import dagster as dg
 
-from trinity_dagster.config import TrinityConfig, load_config
+from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, load_config
 from trinity_dagster.paths import RunPaths
-
-CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"
 
 
 def config_path_from_env() -> str | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.net_support import free_port
+from trinity_dagster.config import CONFIG_ENV_VAR
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
@@ -30,13 +32,6 @@ FINISHED_BACKFILL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAIL
 
 class GraphQLError(AssertionError):
     """The webserver answered a GraphQL call with errors or an error result type."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def processes_with_env(name: str, value: str) -> list[int]:
@@ -76,7 +71,7 @@ class DagsterDev:
         env = {
             **os.environ,
             "DAGSTER_HOME": str(self.dagster_home),
-            "TRINITY_DAGSTER_CONFIG": str(self.config_file),
+            CONFIG_ENV_VAR: str(self.config_file),
             "PYTHONUNBUFFERED": "1",
         }
         dagster = Path(sys.executable).parent / "dagster"

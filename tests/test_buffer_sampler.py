@@ -7,13 +7,13 @@ import json
 import pytest
 from deltalake import DeltaTable
 
-from tests.test_buffer_support import make_config, make_row, make_rows
+from tests.buffer_support import make_config, make_row, make_rows
 from trinity_dagster.buffer import (
     ExperienceWriter,
-    NotEnoughData,
     NotEnoughDataError,
     PinOrderError,
     PinResult,
+    PinShortfall,
     SamplerState,
     load_step_batch,
     pin_batch,
@@ -39,7 +39,7 @@ def test_fifo_rows_oldest_first_and_never_twice(tmp_path):
     assert _pin(config, 1).eids == ["a-0", "a-1", "a-2"]
     assert _pin(config, 2).eids == ["a-3", "b-0", "b-1"]
     third = pin_batch(config, 3)
-    assert third == NotEnoughData(have=2, need=3) and third.message == "have 2, need 3"
+    assert third == PinShortfall(have=2, need=3) and third.message == "have 2, need 3"
     writer.write(make_rows("c", 1))
     assert _pin(config, 3).eids == ["b-2", "b-3", "c-0"]
     assert load_step_batch(config, 2).column("eid").to_pylist() == ["a-3", "b-0", "b-1"]
@@ -50,7 +50,7 @@ def test_groups_are_pinned_whole_in_completion_order(tmp_path):
     writer = ExperienceWriter(config)
     writer.write([make_row("x0", group="x"), make_row("y0", group="y"), make_row("y1", group="y")])
     # only y is complete: one group of 2 rows, a batch needs 4
-    assert pin_batch(config, 1) == NotEnoughData(have=2, need=4)
+    assert pin_batch(config, 1) == PinShortfall(have=2, need=4)
     writer.write([make_row("z0", group="z"), make_row("z1", group="z")])
     writer.write([make_row("x1", group="x")])
     first = _pin(config, 1)
@@ -81,7 +81,7 @@ def test_repin_is_idempotent_and_order_is_enforced(tmp_path):
 
 def test_not_enough_data_with_force_raises(tmp_path):
     config = make_config(tmp_path, train_batch_size=4)
-    assert pin_batch(config, 1) == NotEnoughData(have=0, need=4)
+    assert pin_batch(config, 1) == PinShortfall(have=0, need=4)
     ExperienceWriter(config).write(make_rows("a", 3))
     with pytest.raises(NotEnoughDataError, match="have 3, need 4"):
         pin_batch(config, 1, force=True)
@@ -144,7 +144,7 @@ def test_priority_highest_first_with_reuse_limit(tmp_path):
     state = sampler_state(config, 3)
     assert state.uses == {"low": 1, "mid": 1}
     assert _pin(config, 4).eids == ["mid", "low"]
-    assert pin_batch(config, 5) == NotEnoughData(have=0, need=2)
+    assert pin_batch(config, 5) == PinShortfall(have=0, need=2)
 
 
 def test_sampler_state_json_round_trip_and_errors(tmp_path):

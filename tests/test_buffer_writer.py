@@ -12,7 +12,7 @@ from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_buffer_support import make_config, make_row, make_rows
+from tests.buffer_support import make_config, make_row, make_rows
 from trinity_dagster.buffer import EXPERIENCE_SCHEMA, ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.paths import RunPaths
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.engine_workers.train_common import make_hf_dir
+from tests.net_support import free_port
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -132,7 +132,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from tests.engine_workers.train_common import make_batch, make_config
-from trinity_dagster.engine import state
+from trinity_dagster.engine import async_save
 from trinity_dagster.engine.engine import TrainEngine
 
 def same(a, b):
@@ -141,14 +141,14 @@ def same(a, b):
 def main():
     writer, hf_dir, root, tp = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     validated = []
-    save = state.dist_checkpointing.save
+    save = async_save.dist_checkpointing.save
     def spy(*args, **kwargs):
         validated.append(kwargs["validate_access_integrity"])
         return save(*args, **kwargs)
-    state.dist_checkpointing.save = spy
+    async_save.dist_checkpointing.save = spy
     engine = TrainEngine(make_config(root, **{"megatron.tensor_model_parallel_size": tp}), hf_dir)
     engine._async_saves.close()
-    engine._async_saves = state.SaveQueue(writer)
+    engine._async_saves = async_save.SaveQueue(writer)
     try:
         for seed in (5, 6):
             engine.train_step(engine.step + 1, make_batch(seed))
@@ -191,12 +191,6 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("writer", "ranks"), [("thread", 1), ("fork", 1), ("thread", 2)])
 def test_state_writers_save_a_snapshot_and_validate_a_new_structure_once(
@@ -209,7 +203,7 @@ def test_state_writers_save_a_snapshot_and_validate_a_new_structure_once(
     launch = [sys.executable]
     if ranks > 1:  # tensor parallel over 2 ranks
         launch += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
-        launch += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+        launch += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -224,14 +218,14 @@ def test_state_writers_save_a_snapshot_and_validate_a_new_structure_once(
 
 
 def test_save_queue_rejects_an_unknown_writer() -> None:
-    from trinity_dagster.engine.state import SaveQueue
+    from trinity_dagster.engine.async_save import SaveQueue
 
     with pytest.raises(ValueError, match="writer must be 'fork' or 'thread', got 'disk'"):
         SaveQueue("disk")
 
 
 def test_thread_writer_reports_a_failed_write(tmp_path: Path) -> None:
-    from trinity_dagster.engine.state import _write_buckets
+    from trinity_dagster.engine.async_save import _write_buckets
 
     results: queue.Queue = queue.Queue()
     missing = tmp_path / "no_such_dir" / "__0_0.distcp"
@@ -243,7 +237,7 @@ def test_thread_writer_reports_a_failed_write(tmp_path: Path) -> None:
 def test_structure_tracks_shards_not_values() -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from trinity_dagster.engine.state import _structure
+    from trinity_dagster.engine.async_save import _structure
 
     def state(rows: int, key: str = "w", step: int = 1) -> dict:
         tensor = torch.full((rows, 3), float(step))
@@ -261,7 +255,7 @@ def test_write_results_queue_is_in_process_unless_a_writer_process_needs_one(
 ) -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from trinity_dagster.engine.state import ensure_write_results_queue
+    from trinity_dagster.engine.async_save import ensure_write_results_queue
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
     ensure_write_results_queue(cross_process=False)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_checkpoint_provider import TinyProvider
-from tests.test_checkpoint_retention import damage_checksum_only
+from tests.checkpoint_support import TinyProvider, damage_checksum_only
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAVER = """
 import random, sys, time
 from pathlib import Path
-from tests.test_checkpoint_provider import TinyProvider
+from tests.checkpoint_support import TinyProvider
 from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.config import config_from_dict
 from trinity_dagster.paths import RunPaths

@@ -76,6 +76,17 @@ def test_published_weights_load_in_transformers_with_the_same_logits(tmp_path: P
         assert torch.allclose(loaded(ids).logits, model(ids).logits, atol=1e-6)
 
 
+def test_published_weights_carry_the_generation_config_and_the_dtype(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path / "run")
+    model = _tiny_llama(seed=0).to(torch.bfloat16)
+    source = _tokenizer_dir(tmp_path)
+    (source / "generation_config.json").write_text('{"eos_token_id": 2}')
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
+    out = publish_weights(paths, 1, model.state_dict(), config, source)
+    assert (out / "generation_config.json").read_text() == '{"eos_token_id": 2}'
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_a_crash_mid_write_leaves_the_old_version_resolvable(tmp_path: Path, monkeypatch) -> None:
     paths = RunPaths.of(tmp_path)
     old = _publish(paths, 1, _tiny_llama(seed=1))
@@ -119,7 +130,7 @@ def test_publish_rejects_bad_input(tmp_path: Path) -> None:
         publish_weights(paths, 1, {"w": [1.0]}, {}, None)
     with pytest.raises(ValueError, match="no tensors given"):
         publish_weights(paths, 1, {}, {}, None)
-    with pytest.raises(FileNotFoundError, match=r"tokenizer directory .*nowhere does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"source directory .*nowhere of the tokenizer"):
         publish_weights(paths, 1, {"w": torch.ones(2)}, {}, tmp_path / "nowhere")
     with pytest.raises(ValueError, match="hf_config is not JSON-serializable"):
         publish_weights(paths, 1, {"w": torch.ones(2)}, {"x": object()}, None)

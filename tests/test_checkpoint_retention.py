@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_checkpoint_provider import TinyProvider
+from tests.checkpoint_support import TinyProvider, damage_checksum_only
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -119,14 +119,6 @@ def test_keep_none_keeps_every_complete_checkpoint(tmp_path: Path) -> None:
     assert _on_disk(paths) == [(s, "final") for s in (1, 2, 3, 4)]
     with pytest.raises(ValueError, match="max_checkpoints_to_keep must be >= 1 or None, got 0"):
         prune_checkpoints(paths, 0)
-
-
-def damage_checksum_only(ckpt: Path) -> None:
-    """Damage a checkpoint so that only its checksums notice (size and manifest intact)."""
-    file = ckpt / "model.pt"
-    data = bytearray(file.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    file.write_bytes(bytes(data))
 
 
 def test_a_damaged_newest_checkpoint_never_costs_the_older_good_one(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from trinity_dagster.config import ConfigError, TrinityConfig, load_config
+from trinity_dagster.service.server import check_bind_host
 
 
 def write(tmp_path: Path, data: object, name: str = "run.yaml") -> Path:
@@ -95,6 +97,24 @@ def test_bad_config_names_file_and_key_path(
     assert str(path) in message
     assert f"  {key_path}: " in message
     assert detail in message
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.0.0.2", "::1", "localhost", "0.0.0.0", "192.0.2.1", "example.org"]
+)
+def test_config_and_service_agree_on_what_is_loopback(host: str) -> None:
+    """A host the config accepts is one the service binds, and the other way round."""
+    try:
+        TrinityConfig(service={"host": host})
+        config_accepts = True
+    except ValidationError:
+        config_accepts = False
+    try:
+        check_bind_host(host, allow_non_loopback=False)
+        service_binds = True
+    except PermissionError:
+        service_binds = False
+    assert config_accepts == service_binds
 
 
 def test_several_mistakes_are_all_reported(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from trinity_dagster.dagster_instance import write_instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.service.records import read_record
+from trinity_dagster.steps import step_key
 from trinity_dagster.trainer.run_state import read_trainer_state
 
 pytestmark = pytest.mark.slow
@@ -131,12 +132,12 @@ class Loop:
             self.wait_for_checkpoint_record(instance)
             records = instance.fetch_materializations(dg.AssetKey("train_step"), limit=1000)
             counts = Counter(r.asset_materialization.partition for r in records.records)
-        assert counts == {f"{s:06d}": 1 for s in range(1, TOTAL_STEPS + 1)}, counts
+        assert counts == {step_key(s): 1 for s in range(1, TOTAL_STEPS + 1)}, counts
         engine_log = (self.paths.logs / "engine.log").read_text()
         assert "replaying step" not in engine_log
 
     def wait_for_checkpoint_record(self, instance: dg.DagsterInstance) -> None:
-        key = f"{TOTAL_STEPS:06d}"
+        key = step_key(TOTAL_STEPS)
         self.wait(
             "checkpoint_sensor to record the final checkpoint",
             lambda: key in instance.get_materialized_partitions(dg.AssetKey("checkpoint")),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,6 +29,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tests.net_support import free_port
 from trinity_dagster.config import MegatronConfig
 from trinity_dagster.engine.hf_weights import _full_hf, _local_shard, _qkv_interleave, _Slot
 from trinity_dagster.engine.model import (
@@ -84,12 +84,6 @@ def read_safetensors_dir(hf_dir: Path) -> dict[str, torch.Tensor]:
         with safe_open(file, framework="pt") as f:
             tensors.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
     return tensors
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_worker(script: str, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:

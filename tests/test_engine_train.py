@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from tests.engine_workers.train_common import make_batch, make_config, make_hf_dir
+from tests.net_support import free_port
 from trinity_dagster.engine.batch_check import BatchError, check_batch
 from trinity_dagster.engine.state import EngineStateError, read_engine_state
 
@@ -48,12 +48,6 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_dir(tmp_path_factory.mktemp("hf") / "tiny")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_worker(tmp: Path, name: str, spec: dict[str, Any], nproc: int = 1) -> Path:
     """Run the worker on `spec` in a fresh process (torchrun when nproc > 1); its out dir."""
     out = tmp / name
@@ -72,7 +66,7 @@ def run_worker(tmp: Path, name: str, spec: dict[str, Any], nproc: int = 1) -> Pa
             "--master_addr",
             "127.0.0.1",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             *module,
         ]
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}

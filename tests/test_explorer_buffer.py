@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from deltalake import DeltaTable
 
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
@@ -18,14 +16,7 @@ from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on 2 shared cores, more threads thrash (measured 30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_rows_are_accepted_by_the_writer_and_read_back(tmp_path: Path) -> None:

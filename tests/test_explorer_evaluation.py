@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,7 @@ from trinity_dagster.paths import RunPaths
 MY_TASKS = [("3+4=", "7"), ("12-5=", "7"), ("9*9=", "81"), ("what is one?", "1"), ("2+2=", "4")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on 2 shared cores, more threads thrash (measured 30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(tmp_path: Path, **overrides: object) -> tuple[TrinityConfig, RunPaths]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +34,7 @@ SHAPES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on 2 shared cores, more threads thrash (measured 30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(tmp_path: Path, name: str = "run", **overrides: object) -> tuple[TrinityConfig, RunPaths]:

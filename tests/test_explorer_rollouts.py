@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from datetime import UTC
 from pathlib import Path
 
@@ -30,13 +29,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on 2 shared cores, more threads thrash (measured 30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(tmp_path: Path, **overrides: object) -> tuple[TrinityConfig, RunPaths]:

@@ -15,6 +15,7 @@ from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from tests.run_helpers import fill_buffer, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir
+from trinity_dagster.commands.training_run import metadata_values
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.trainer.run_state import read_trainer_state
@@ -51,7 +52,7 @@ def metadata(instance, asset: str, partition: str) -> dict:
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1
     ).records
-    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+    return metadata_values(records[0].asset_materialization)
 
 
 def check_passed(result: dg.ExecuteInProcessResult, name: str) -> bool:
@@ -137,7 +138,7 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     observed = observe_and_check.resolve_job_def("observe").execute_in_process(instance=instance)
     assert observed.success
     observation = instance.fetch_observations(dg.AssetKey("experiences"), limit=1).records[0]
-    stats = {k: v.value for k, v in observation.asset_observation.metadata.items()}
+    stats = metadata_values(observation.asset_observation)
     assert stats["row_count"] == 4 * config.buffer.train_batch_size
     assert stats["unconsumed"] == 0
     checked = observe_and_check.resolve_job_def("check").execute_in_process(instance=instance)

@@ -19,9 +19,8 @@ from assets.definitions import defs
 from assets.partitions import step_key
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
+from tests.checkpoint_support import TinyProvider, damage_checksum_only
 from tests.run_helpers import fill_buffer, pin_steps, tiny_config
-from tests.test_checkpoint_provider import TinyProvider
-from tests.test_checkpoint_retention import damage_checksum_only
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,

@@ -249,6 +249,27 @@ def test_convert_turns_a_checkpoint_into_the_same_hf_weights(service, tmp_path: 
     assert victim.name in broken.stderr
 
 
+def test_synced_weights_and_the_checkpoint_export_are_the_same_hf_directory(service) -> None:
+    """Explorers get the same files, config and tensors by a sync as from a checkpoint."""
+    config, client = service
+    client.train_step(1)
+    synced = Path(client.sync_weight(1)["path"])
+    client.save_checkpoint(1, block=True, hf=True)
+    exported = checkpoint_dir(RunPaths.of(config.run_root), 1) / "huggingface"
+    names = sorted(p.name for p in synced.iterdir())
+    assert names == sorted(p.name for p in exported.iterdir())
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(names)
+    for name in names:
+        if name != "model.safetensors":
+            assert (synced / name).read_bytes() == (exported / name).read_bytes(), name
+    got, expected = (
+        load_file(synced / "model.safetensors"),
+        load_file(exported / "model.safetensors"),
+    )
+    assert got.keys() == expected.keys()
+    assert all(got[name].equal(tensor) for name, tensor in expected.items())
+
+
 def test_next_step_trains_while_the_previous_save_is_written(service) -> None:
     """Only the final save blocks: step N+1 starts before checkpoint N is complete."""
     config, client = service

@@ -26,7 +26,7 @@ from trinity_dagster.cli import main as cli_main
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
 from trinity_dagster.service.processes import service_processes
-from trinity_dagster.service.protocol import MAX_STEP, StepOrderError
+from trinity_dagster.service.protocol import MAX_STEP, StepConflictError
 from trinity_dagster.service.records import unrecorded_span, write_record
 from trinity_dagster.service.server import MAX_BODY_BYTES, build_app
 from trinity_dagster.service.state import (
@@ -153,7 +153,7 @@ def test_train_step_far_ahead_is_refused_without_walking_the_steps(tmp_path: Pat
         write_record(paths, {"step": step})
     host = SimpleNamespace(engine=SimpleNamespace(step=0), paths=paths)
     started = time.perf_counter()
-    with pytest.raises(StepOrderError, match=f"steps 3..{MAX_STEP - 1} have not been trained"):
+    with pytest.raises(StepConflictError, match=f"steps 3..{MAX_STEP - 1} have not been trained"):
         EngineHost.train_step(host, MAX_STEP)  # type: ignore[arg-type]
     assert time.perf_counter() - started < 1.0
     assert unrecorded_span(paths, 1, 2) is None

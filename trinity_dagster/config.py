@@ -8,6 +8,7 @@ combinations raise `ConfigError`, whose message names the file and the key path.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_RUN_ROOT = "runs/demo"
+CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` reaches this machine only: `localhost` or a loopback IP address."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ConfigError(ValueError):
@@ -316,7 +326,7 @@ class TrinityConfig(_Section):
                 f"({_UNIMPLEMENTED_SYNC_METHODS[self.synchronizer.sync_method]}); "
                 "use 'checkpoint'",
             )
-        if self.service.host not in _LOOPBACK_HOSTS and not self.service.allow_non_loopback:
+        if not (is_loopback_host(self.service.host) or self.service.allow_non_loopback):
             raise _at(
                 "service.host",
                 f"{self.service.host!r} is not a loopback address; set "
@@ -335,7 +345,6 @@ class TrinityConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 _UNIMPLEMENTED_SYNC_METHODS = {
     "memory": "weights through shared memory need a persistent explorer beside rank 0",
     "nccl": "collective weight transfer needs the GPU path",

@@ -6,10 +6,10 @@ Importing this package does not import torch (`reader.to_tensors` imports it whe
 from trinity_dagster.buffer.maintenance import compact, vacuum
 from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
 from trinity_dagster.buffer.sampler import (
-    NotEnoughData,
     NotEnoughDataError,
     PinOrderError,
     PinResult,
+    PinShortfall,
     pin_batch,
     sampler_state,
 )
@@ -23,10 +23,10 @@ __all__ = [
     "EXPERIENCE_SCHEMA",
     "QUARANTINE_SCHEMA",
     "ExperienceWriter",
-    "NotEnoughData",
     "NotEnoughDataError",
     "PinOrderError",
     "PinResult",
+    "PinShortfall",
     "SamplerState",
     "StepNotPinnedError",
     "WriteReport",

@@ -12,7 +12,7 @@ import json
 import shutil
 import time
 
-from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 END_DIR = "_end_of_data"
@@ -21,7 +21,7 @@ END_DIR = "_end_of_data"
 def mark_end_of_data(paths: RunPaths, explorer_id: str, reason: str) -> None:
     """Record that `explorer_id` writes no more experiences, and why."""
     marker = paths.root / END_DIR / f"{explorer_id}.json"
-    write_atomic(
+    write_text_atomic(
         marker, json.dumps({"explorer_id": explorer_id, "reason": reason, "at": time.time()})
     )
 

@@ -47,8 +47,8 @@ class PinOrderError(ValueError):
 
 
 @dataclass(frozen=True)
-class NotEnoughData:
-    """The normal answer when a step cannot be pinned yet."""
+class PinShortfall:
+    """Too few eligible experiences for a batch: the normal answer while a step cannot be pinned."""
 
     have: int
     need: int
@@ -158,11 +158,11 @@ def _advance(
 
 def pin_batch(
     config: TrinityConfig, step: int, *, current_version: int | None = None, force: bool = False
-) -> PinResult | NotEnoughData:
+) -> PinResult | PinShortfall:
     """Pin the experiences of train step `step` (>= 1), or return the rows already pinned.
 
     `current_version` is the weights version the step trains from (default `step - 1`).
-    Returns `NotEnoughData` when too few eligible rows are pending; with `force=True` that
+    Returns `PinShortfall` when too few eligible rows are pending; with `force=True` that
     raises `NotEnoughDataError` instead.
     """
     if step < 1:
@@ -192,7 +192,7 @@ def pin_batch(
         experiences = open_table(paths.experiences)
         need = config.buffer.train_batch_size
         if experiences is None:
-            outcome["result"] = NotEnoughData(have=0, need=need)
+            outcome["result"] = PinShortfall(have=0, need=need)
             return
         source_version = experiences.version()
         context = SampleContext(config=config, current_version=version_now)
@@ -207,7 +207,7 @@ def pin_batch(
             if selection.train:
                 break
         if not selection.train or chunk is None:
-            outcome["result"] = NotEnoughData(have=selection.eligible_rows, need=need)
+            outcome["result"] = PinShortfall(have=selection.eligible_rows, need=need)
             return
         new_state = _advance(
             state,
@@ -267,6 +267,6 @@ def pin_batch(
         step=step,
         max_retries=config.buffer.writer_max_retries,
     )
-    if isinstance(result, NotEnoughData) and force:
+    if isinstance(result, PinShortfall) and force:
         raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
     return result  # type: ignore[return-value]

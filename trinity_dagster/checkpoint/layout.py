@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trinity_dagster.files import fsync_dir, write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
@@ -104,22 +104,6 @@ def scan_step_dirs(parent: Path) -> list[StepDir]:
     return sorted(found, key=lambda d: (d.step, order[d.kind], d.path.name))
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically: temp file in the same directory, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def read_marker(path: Path) -> int | None:
     """The step stored in a `latest_*` marker file, or None if there is none."""
     try:
@@ -143,12 +127,12 @@ def latest_weights_version(paths: RunPaths) -> int | None:
 
 def set_latest_checkpoint_step(paths: RunPaths, step: int) -> None:
     """Move the checkpoint marker to `step` (call only once its manifest exists)."""
-    write_atomic(paths.checkpoints / LATEST_CHECKPOINT_FILE, f"{step}\n")
+    write_text_atomic(paths.checkpoints / LATEST_CHECKPOINT_FILE, f"{step}\n")
 
 
 def set_latest_weights_version(paths: RunPaths, version: int) -> None:
     """Move the published-weights marker to `version` (call only once its files are complete)."""
-    write_atomic(paths.checkpoints / LATEST_WEIGHTS_FILE, f"{version}\n")
+    write_text_atomic(paths.checkpoints / LATEST_WEIGHTS_FILE, f"{version}\n")
 
 
 def discard_dir(path: Path, step: int) -> None:
@@ -160,12 +144,3 @@ def discard_dir(path: Path, step: int) -> None:
     os.rename(path, trash)
     fsync_dir(path.parent)
     shutil.rmtree(trash)
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (renames, new files) to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

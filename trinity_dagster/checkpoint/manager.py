@@ -27,7 +27,6 @@ from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
     discard_dir,
-    fsync_dir,
     scan_step_dirs,
     scratch_dir,
 )
@@ -43,6 +42,7 @@ from trinity_dagster.checkpoint.protocols import SaveHandle, StateProvider
 from trinity_dagster.checkpoint.publish import checkpoint_sync_dir
 from trinity_dagster.checkpoint.retention import is_complete, prune_checkpoints
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.checkpoint_monitor import CheckpointMonitor
 

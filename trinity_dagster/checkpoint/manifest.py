@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trinity_dagster.checkpoint.layout import fsync_dir, write_atomic
+from trinity_dagster.files import fsync_dir, write_text_atomic
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
@@ -160,7 +160,7 @@ def build_manifest(
 def write_manifest(ckpt_dir: Path, manifest: Manifest) -> Path:
     """Write `manifest.json` into `ckpt_dir` atomically (temp file, fsync, rename)."""
     path = ckpt_dir / MANIFEST_FILE
-    write_atomic(path, manifest.to_json())
+    write_text_atomic(path, manifest.to_json())
     return path
 
 

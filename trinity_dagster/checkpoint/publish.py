@@ -2,12 +2,11 @@
 
 A version directory `weights/global_step_N/` appears only by renaming a finished, fsynced temp
 directory, and `latest_state_dict_iteration.txt` moves (never backwards) only after that. torch
-is imported inside the functions that need it, so this module is cheap to import.
+is imported only when writing (see `hf_dir`), so this module is cheap to import.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -15,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trinity_dagster.checkpoint.hf_dir import CONFIG_FILE, write_hf_dir
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
     discard_dir,
-    fsync_dir,
     latest_weights_version,
     published_weights_dir,
     scan_step_dirs,
@@ -27,15 +26,13 @@ from trinity_dagster.checkpoint.layout import (
     set_latest_weights_version,
 )
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 log = logging.getLogger(__name__)
-
-WEIGHTS_FILE = "model.safetensors"
-_NOT_TOKENIZER = {"config.json", "generation_config.json", WEIGHTS_FILE}
 
 
 def advance_weights_marker(paths: RunPaths, version: int) -> None:
@@ -45,76 +42,18 @@ def advance_weights_marker(paths: RunPaths, version: int) -> None:
         set_latest_weights_version(paths, version)
 
 
-def _cpu_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Contiguous CPU copies where needed; tensors sharing storage are cloned (safetensors)."""
-    import torch
-
-    if not tensors:
-        raise ValueError("publish_weights: no tensors given")
-    out: dict[str, Tensor] = {}
-    seen: set[tuple[int, int]] = set()
-    for name, tensor in tensors.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"publish_weights: entry {name!r} must map a str to a torch.Tensor, "
-                f"got {type(tensor).__name__}"
-            )
-        t = tensor.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()
-        seen.add((t.untyped_storage().data_ptr(), t.storage_offset()))
-        out[name] = t
-    return out
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_hf_dir(
-    out_dir: Path,
-    tensors: Mapping[str, Tensor],
-    hf_config: Mapping[str, Any],
-    tokenizer_src: Path | None,
-) -> None:
-    """Write `config.json`, `model.safetensors` and the tokenizer files into `out_dir`, fsynced."""
-    from safetensors.torch import save_file
-
-    if tokenizer_src is not None and not Path(tokenizer_src).is_dir():
-        raise FileNotFoundError(f"tokenizer directory {tokenizer_src} does not exist")
-    try:
-        config_text = json.dumps(dict(hf_config), indent=2, sort_keys=True)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"hf_config is not JSON-serializable: {err}") from None
-    cpu = _cpu_tensors(tensors)
-    out_dir.mkdir(parents=True)
-    (out_dir / "config.json").write_text(config_text)
-    save_file(cpu, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    if tokenizer_src is not None:
-        for src in sorted(Path(tokenizer_src).iterdir()):
-            if src.is_file() and src.name not in _NOT_TOKENIZER:
-                shutil.copyfile(src, out_dir / src.name)
-    for file in out_dir.iterdir():
-        _fsync_file(file)
-    fsync_dir(out_dir)
-
-
 def publish_weights(
     paths: RunPaths,
     step: int,
     tensors: Mapping[str, Tensor],
     hf_config: Mapping[str, Any],
-    tokenizer_src: Path | None,
+    source_dir: Path | None,
 ) -> Path:
     """Publish weights version `step` as an HF directory and move the weights marker to it.
 
-    The directory is written under a hidden temp name and renamed into place; a re-publish
-    of the same version replaces the old directory. Returns the published directory.
+    The directory is `hf_dir.write_hf_dir`'s (tokenizer files and generation config from the
+    model's `source_dir`), written under a hidden temp name and renamed into place; a
+    re-publish of the same version replaces the old directory. Returns the published directory.
     """
     if step < 0:
         raise ValueError(f"weights version must be >= 0, got {step}")
@@ -122,7 +61,7 @@ def publish_weights(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = scratch_dir(target.parent, step)
     try:
-        write_hf_dir(tmp, tensors, hf_config, tokenizer_src)
+        write_hf_dir(tmp, tensors, hf_config, source_dir)
         if target.exists():
             discard_dir(target, step)
         os.rename(tmp, target)
@@ -150,9 +89,9 @@ def checkpoint_sync_dir(paths: RunPaths, step: int) -> Path:
     """The `huggingface/` export of complete checkpoint `step`, which can serve as the sync."""
     ckpt = checkpoint_dir(paths, step)
     manifest = verify_checkpoint(ckpt, checksums=False)
-    if not any(f.path == f"{HF_SUBDIR}/config.json" for f in manifest.files):
+    if not any(f.path == f"{HF_SUBDIR}/{CONFIG_FILE}" for f in manifest.files):
         raise FileNotFoundError(
-            f"checkpoint {ckpt} has no {HF_SUBDIR}/config.json; it cannot serve as the sync"
+            f"checkpoint {ckpt} has no {HF_SUBDIR}/{CONFIG_FILE}; it cannot serve as the sync"
         )
     return ckpt / HF_SUBDIR
 

@@ -23,12 +23,12 @@ from statistics import fmean
 from typing import Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
-from trinity_dagster.config import TrinityConfig
+from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig
 from trinity_dagster.dagster_instance import write_instance_yaml
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.steps import step_key
 from trinity_dagster.trainer.run_state import read_trainer_state, state_path
 
-CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
@@ -37,6 +37,11 @@ WILL_RETRY = "dagster/will_retry"
 
 class TrainingRunError(RuntimeError):
     """A run of the graph failed for good, or the daemon stopped; the message says which."""
+
+
+def metadata_values(event: Any) -> dict[str, Any]:
+    """The metadata of a Dagster materialization or observation as plain values by name."""
+    return {name: entry.value for name, entry in event.metadata.items()}
 
 
 def find_workspace(workspace: str | Path | None) -> Path:
@@ -141,7 +146,7 @@ class Progress:
             for record in result.records:
                 event = record.asset_materialization
                 if event is not None and event.partition is not None:
-                    meta = {k: v.value for k, v in event.metadata.items()}
+                    meta = metadata_values(event)
                     lines.append(self._line(asset, int(event.partition), meta))
         return lines
 
@@ -192,14 +197,14 @@ class Progress:
     def evaluation(self, version: int) -> dict[str, Any] | None:
         """The metadata of `evaluation[version]`, once recorded."""
         dg = self.dg
-        key = f"{version:06d}"
+        key = step_key(version)
         records = self.instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey("evaluation"), asset_partitions=[key]),
             limit=1,
         ).records
         if not records or records[0].asset_materialization is None:
             return None
-        return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+        return metadata_values(records[0].asset_materialization)
 
     def rollout_rewards(self) -> list[tuple[int, float, bool]]:
         """(explore step, mean reward, demonstrations?) of every rollouts partition, by step."""
@@ -211,7 +216,7 @@ class Progress:
             event = record.asset_materialization
             if event is None or event.partition is None:
                 continue
-            meta = {name: value.value for name, value in event.metadata.items()}
+            meta = metadata_values(event)
             latest[int(event.partition)] = (
                 float(meta["reward_mean"]),
                 bool(meta["demonstrations"]),

@@ -31,6 +31,7 @@ from torch import Tensor
 from trinity_dagster.algorithms import apply_kl_penalty, compute_advantages, mask_counts
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
+from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue
 from trinity_dagster.engine.batch_check import BatchError, check_batch
 from trinity_dagster.engine.model import build_gpt_model, local_logits
 from trinity_dagster.engine.optim import build_optimizer, build_scheduler
@@ -38,8 +39,6 @@ from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, i
 from trinity_dagster.engine.state import (
     DIST_DIR,
     Layout,
-    SaveHandle,
-    SaveQueue,
     load_engine_state,
     read_engine_state,
     save_engine_state,
@@ -345,7 +344,7 @@ class TrainEngine:
             "step": self.step,
         }
 
-    def save_state(self, ckpt_dir: Path, *, background: bool = False) -> SaveHandle:
+    def save_state(self, ckpt_dir: Path, *, background: bool = False) -> EngineStateSave:
         """Save weights, optimizer, LR scheduler, RNG states and step to `ckpt_dir`.
 
         With `background`, tensors are written in the background and training may go on;

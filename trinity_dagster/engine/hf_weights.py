@@ -14,9 +14,7 @@ Layouts (HF -> Megatron, per TP rank r of tp):
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from trinity_dagster.checkpoint.hf_dir import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, write_hf_dir
 from trinity_dagster.engine.model import (
     has_qkv_bias,
     head_dim,
@@ -36,20 +34,6 @@ from trinity_dagster.engine.model import (
     tied_embeddings,
     unwrap_model,
 )
-
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
-GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 class HFWeightsError(ValueError):
@@ -328,52 +312,16 @@ def export_model_to_hf(
 ) -> Path | None:
     """Write an HF directory of the model on global rank 0; returns it there, None elsewhere.
 
-    Writes `model.safetensors` (HF names), `config.json`, `generation_config.json` if
-    `tokenizer_src` has one, and the tokenizer files found in `tokenizer_src`. Collective.
+    The directory is `checkpoint.hf_dir`'s format: weights, config, and the tokenizer files and
+    generation config of `tokenizer_src`. Collective.
     """
     state = hf_state_dict_from_model(model, hf_config)
     out: Path | None = None
     if _global_rank() == 0:
-        out = write_hf_dir(state, hf_config, Path(out_dir), tokenizer_src)
+        out = write_hf_dir(Path(out_dir), state, hf_config, tokenizer_src)
     if dist.is_initialized():
         dist.barrier()
     return out
-
-
-def write_hf_dir(
-    state: dict[str, torch.Tensor],
-    hf_config: dict[str, Any],
-    out_dir: Path,
-    tokenizer_src: Path | None = None,
-) -> Path:
-    """Write HF-named tensors, config and tokenizer files into `out_dir` (each file atomically)."""
-    if not state:
-        raise HFWeightsError("no tensors to write: call on global rank 0 only")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [out_dir / WEIGHTS_INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
-    dtype = next(iter(state.values())).dtype
-    config = dict(hf_config)
-    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:
-        config[key] = str(dtype).removeprefix("torch.")
-    _atomic_write(out_dir / WEIGHTS_FILE, lambda p: save_file(state, p, metadata={"format": "pt"}))
-    if tokenizer_src is not None:
-        tokenizer_src = Path(tokenizer_src)
-        if not tokenizer_src.is_dir():
-            raise HFWeightsError(f"tokenizer_src {tokenizer_src} is not a directory")
-        for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
-            if (tokenizer_src / name).is_file():
-                source = tokenizer_src / name
-                _atomic_write(out_dir / name, lambda p, src=source: shutil.copyfile(src, p))
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _atomic_write(out_dir / "config.json", lambda p: Path(p).write_text(text))
-    return out_dir
-
-
-def _atomic_write(path: Path, write: Callable[[str], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(str(tmp))
-    os.replace(tmp, path)
 
 
 def _global_rank() -> int:

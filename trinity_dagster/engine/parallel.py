@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from trinity_dagster.config import MegatronConfig
+from trinity_dagster.config import MegatronConfig, is_loopback_host
 from trinity_dagster.engine.cpu_compat import enable_cpu_compat
 
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 _store_file: Path | None = None
 
 
@@ -130,7 +129,7 @@ def _launch_env() -> tuple[int, int, int]:
 def _init_process_group(backend: str, world_size: int, rank: int) -> None:
     global _store_file
     if "MASTER_ADDR" in os.environ:
-        if backend == "gloo" and os.environ["MASTER_ADDR"] in _LOOPBACK:
+        if backend == "gloo" and is_loopback_host(os.environ["MASTER_ADDR"]):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, world_size=world_size, rank=rank)
         return

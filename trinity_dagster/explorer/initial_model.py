@@ -19,7 +19,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from trinity_dagster.checkpoint.layout import (
     discard_dir,
-    fsync_dir,
     latest_weights_version,
     published_weights_dir,
     scratch_dir,
@@ -27,6 +26,7 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.config import ModelConfig, TrinityConfig
 from trinity_dagster.explorer.tokenizer import build_tokenizer, load_tokenizer
+from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")

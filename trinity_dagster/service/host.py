@@ -44,7 +44,7 @@ from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import TrainEngine
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.protocol import BadRequestError, StepOrderError
+from trinity_dagster.service.protocol import BadRequestError, StepConflictError
 from trinity_dagster.service.records import (
     read_record,
     record_path,
@@ -137,14 +137,14 @@ class EngineHost:
         if step <= current:
             record = read_record(self.paths, step)
             if record is None:
-                raise StepOrderError(
+                raise StepConflictError(
                     f"step {step} is behind the engine (at step {current}) and has no record "
                     f"at {record_path(self.paths, step)}"
                 )
             return {**record, "already_trained": True, "replayed": []}
         missing = unrecorded_span(self.paths, current + 1, step - 1)
         if missing is not None:
-            raise StepOrderError(
+            raise StepConflictError(
                 f"cannot train step {step}: the engine is at step {current} and steps "
                 f"{missing[0]}..{missing[1]} have not been trained; train them first"
             )
@@ -180,7 +180,7 @@ class EngineHost:
                 self._record_sync_from_checkpoint(step)
             return self._checkpoint_info(step, pending=False)
         if self.engine.step != step:
-            raise StepOrderError(
+            raise StepConflictError(
                 f"no complete checkpoint of step {step} exists and the engine is at step "
                 f"{self.engine.step}; a checkpoint of step {step} can only be written right "
                 "after training it"
@@ -201,7 +201,7 @@ class EngineHost:
             pass
         self._refuse_withheld(step)
         if self.engine.step != step:
-            raise StepOrderError(
+            raise StepConflictError(
                 f"weights of step {step} were never published and the engine is at step "
                 f"{self.engine.step}; they can only be published right after training step {step}"
             )
@@ -263,7 +263,7 @@ class EngineHost:
     def _publish(self, step: int) -> None:
         tensors = self.engine.hf_state_dict()
         if self.rank == 0:
-            publish_weights(self.paths, step, tensors, self.engine.hf_config, self.paths.tokenizer)
+            publish_weights(self.paths, step, tensors, self.engine.hf_config, self.engine.hf_dir)
             prune_published(self.paths, keep=self.config.synchronizer.keep_synced_weights)
         self.last_sync_step = step
         if self.world_size > 1:

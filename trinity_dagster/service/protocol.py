@@ -62,8 +62,8 @@ class CommandError(Exception):
         self.traceback_text = traceback_text
 
 
-class StepOrderError(CommandError):
-    """A step asked for out of order (the message names the steps)."""
+class StepConflictError(CommandError):
+    """A command that does not fit the engine's step (out of order; the message names the steps)."""
 
     status = 409
 

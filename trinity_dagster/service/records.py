@@ -13,17 +13,17 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.steps import step_key
 
 RECORDS_DIR = "steps"
-STEP_FILE_WIDTH = 6
 _RECORD_NAME = re.compile(r"step_(\d+)\.json")
 
 
 def record_path(paths: RunPaths, step: int) -> Path:
     """The JSON record of a trained step."""
-    return paths.logs / RECORDS_DIR / f"step_{step:0{STEP_FILE_WIDTH}d}.json"
+    return paths.logs / RECORDS_DIR / f"step_{step_key(step)}.json"
 
 
 def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
@@ -36,7 +36,7 @@ def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
 
 def write_record(paths: RunPaths, record: dict[str, Any]) -> None:
     """Write (atomically) the record of `record["step"]`."""
-    write_atomic(record_path(paths, record["step"]), json.dumps(record, indent=1))
+    write_text_atomic(record_path(paths, record["step"]), json.dumps(record, indent=1))
 
 
 def recorded_steps(paths: RunPaths) -> set[int]:

@@ -10,7 +10,6 @@ while a step trains.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import queue
 import secrets
@@ -37,6 +36,7 @@ from starlette.authentication import (
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
+from trinity_dagster.config import is_loopback_host
 from trinity_dagster.service.protocol import (
     TOKEN_HEADER,
     CommandError,
@@ -106,13 +106,7 @@ class CommandBus:
 
 def check_bind_host(host: str, allow_non_loopback: bool) -> None:
     """Refuse a non-loopback bind address unless explicitly allowed."""
-    if allow_non_loopback:
-        return
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not (is_loopback_host(host) or allow_non_loopback):
         raise PermissionError(
             f"refusing to bind the control API to non-loopback address {host!r}; "
             "set service.allow_non_loopback: true to allow it"

@@ -14,7 +14,7 @@ import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.files import PRIVATE_MODE, write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 TOKEN_FILE = "token"
@@ -45,7 +45,7 @@ def ensure_token(paths: RunPaths) -> str:
     """The service token, created on first use (mode 0600 before the secret is written)."""
     path = token_path(paths)
     if not path.exists():
-        write_atomic(path, secrets.token_urlsafe(32))  # a mode-0600 temp file, then renamed
+        write_text_atomic(path, secrets.token_urlsafe(32), mode=PRIVATE_MODE)
     return read_token(paths)
 
 
@@ -90,7 +90,8 @@ class ServiceState:
 
 def write_state(paths: RunPaths, state: ServiceState) -> None:
     """Publish the running service's address atomically."""
-    write_atomic(paths.service / STATE_FILE, json.dumps(asdict(state), indent=1))
+    text = json.dumps(asdict(state), indent=1)
+    write_text_atomic(paths.service / STATE_FILE, text, mode=PRIVATE_MODE)
 
 
 def read_state(paths: RunPaths) -> ServiceState | None:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 State = Literal["running", "finished", "failed"]
@@ -45,7 +45,7 @@ def state_path(paths: RunPaths) -> Path:
 def write_trainer_state(paths: RunPaths, state: State, step: int, reason: str = "") -> None:
     """Record the trainer's state (atomically)."""
     record = TrainerState(state, step, reason, time.time())
-    write_atomic(state_path(paths), json.dumps(asdict(record)))
+    write_text_atomic(state_path(paths), json.dumps(asdict(record)))
 
 
 def read_trainer_state(paths: RunPaths) -> TrainerState | None:

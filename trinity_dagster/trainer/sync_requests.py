@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from trinity_dagster.checkpoint.layout import write_atomic
+from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 REQUESTS_DIR = "requests"
@@ -41,7 +41,7 @@ def request_path(paths: RunPaths, explorer_id: str) -> Path:
 def request_sync(paths: RunPaths, explorer_id: str, have_version: int) -> Path:
     """Ask the trainer for weights newer than `have_version`; returns the request file."""
     path = request_path(paths, explorer_id)
-    write_atomic(path, json.dumps({"explorer_id": explorer_id, "have_version": have_version}))
+    write_text_atomic(path, json.dumps({"explorer_id": explorer_id, "have_version": have_version}))
     return path
 
 
