@@ -223,15 +223,15 @@ def run_trainer(
     first, last = steps[0], steps[-1]
     hook = DagsterTrainerHook(context, run_config, selected)
     trainer = Trainer(run_config.config, engine.wrapper(), hook)
-    asyncio.run(trainer.prepare())
-    at = trainer.train_step_num
-    if at + 1 < first:
-        raise dg.Failure(
-            f"the engine is at step {at}: steps {at + 1}..{first - 1} must be trained before "
-            f"step {first}; materialize them first"
-        )
-    hook.record_unlogged(list(range(first, min(at, last) + 1)))
     try:
+        asyncio.run(trainer.prepare())
+        at = trainer.train_step_num
+        if at + 1 < first:
+            raise dg.Failure(
+                f"the engine is at step {at}: steps {at + 1}..{first - 1} must be trained "
+                f"before step {first}; materialize them first"
+            )
+        hook.record_unlogged(list(range(first, min(at, last) + 1)))
         reason = asyncio.run(trainer.train(last_step=last))
     except SyncWithheldError as err:
         yield from hook.check_results()

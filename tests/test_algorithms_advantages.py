@@ -8,8 +8,13 @@ from typing import get_args
 import pytest
 import torch
 
-from trinity_dagster.algorithms import ADVANTAGE_FNS, compute_advantages, token_level_rewards
-from trinity_dagster.config import AlgorithmConfig
+from trinity_dagster.algorithms import (
+    ADVANTAGE_FNS,
+    advantages_from_config,
+    compute_advantages,
+    token_level_rewards,
+)
+from trinity_dagster.config import AlgorithmConfig, load_config
 
 EPS = 1e-6
 
@@ -135,17 +140,33 @@ def test_reinforce_plus_plus_hand_worked() -> None:
 
 
 def test_reinforce_plus_plus_token_level_rewards_and_mask_gap() -> None:
-    # token-level rewards with a gap in the mask (an env turn): the discount runs over positions
+    # token-level rewards with a gap in the mask (an env turn): as in verl 0.9.1 the gap is no
+    # step, so the return crosses it undiscounted, and its reward (9.0) is dropped
     mask = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool)
     rewards = torch.tensor([[0.5, 9.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     adv = compute_advantages(
         "reinforce_plus_plus", rewards, torch.tensor([0, 1]), mask, gamma=0.5, epsilon=EPS
     )
-    # row 0 (position 1 does not count, its 9.0 is dropped): returns 0.75, 0.5, 1; row 1 zeros
-    # counted: 0.75, 1, 0, 0, 0 -> mean 0.35; deviations 0.4, 0.65, -0.35 x3
-    var = (0.4**2 + 0.65**2 + 3 * 0.35**2) / 4
+    # row 0: G_2 = 1, G_0 = 0.5 + 0.5 * G_2 = 1; row 1 zeros
+    # counted: 1, 1, 0, 0, 0 -> mean 0.4; deviations 0.6 x2, -0.4 x3
+    var = (2 * 0.6**2 + 3 * 0.4**2) / 4
     s = math.sqrt(var + EPS)
-    close(adv, [[0.4 / s, 0.0, 0.65 / s], [-0.35 / s, -0.35 / s, -0.35 / s]])
+    close(adv, [[0.6 / s, 0.0, 0.6 / s], [-0.4 / s, -0.4 / s, -0.4 / s]])
+
+
+def test_reinforce_plus_plus_outcome_reward_reaches_turns_before_an_observation() -> None:
+    # [action, action, observation, observation, action, action], reward 1 at the end, gamma
+    # 0.5: returns 0.125, 0.25 | - - | 0.5, 1 (four steps, not six); a second row of zeros
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    adv = compute_advantages(
+        "reinforce_plus_plus", rewards, torch.tensor([0, 1]), mask, gamma=0.5, epsilon=EPS
+    )
+    returns = [0.125, 0.25, 0.5, 1.0] + [0.0] * 6
+    mean = sum(returns) / 10
+    s = math.sqrt(sum((g - mean) ** 2 for g in returns) / 9 + EPS)
+    row0 = [(0.125 - mean) / s, (0.25 - mean) / s, 0.0, 0.0, (0.5 - mean) / s, (1 - mean) / s]
+    close(adv, [row0, [-mean / s] * 6])
 
 
 def test_group_estimators_score_token_level_rewards_by_their_masked_sum() -> None:
@@ -182,3 +203,36 @@ def test_bad_inputs_raise_clear_errors() -> None:
         compute_advantages("grpo", REWARDS, GROUPS, MASK[0])
     with pytest.raises(ValueError, match="gamma must be in"):
         compute_advantages("reinforce_plus_plus", REWARDS, GROUPS, MASK, gamma=1.5)
+
+
+def config_advantages(overrides: dict, rewards: torch.Tensor = REWARDS) -> torch.Tensor:
+    """The advantages the engine computes for a config loaded with `overrides` (dotted keys)."""
+    algorithm = load_config(None, overrides=overrides).algorithm
+    return advantages_from_config(algorithm, rewards, GROUPS, MASK)
+
+
+def test_config_gamma_changes_the_advantages() -> None:
+    rpp = {"algorithm.algorithm_type": "reinforce_plus_plus"}
+    discounted = config_advantages({**rpp, "algorithm.gamma": 0.9})
+    expected = compute_advantages("reinforce_plus_plus", REWARDS, GROUPS, MASK, gamma=0.9)
+    torch.testing.assert_close(discounted, expected)
+    assert not torch.allclose(discounted, config_advantages({**rpp, "algorithm.gamma": 1.0}))
+
+
+def test_config_opmd_baseline_and_tau_change_the_advantages() -> None:
+    opmd = {"algorithm.algorithm_type": "opmd"}
+    soft = {**opmd, "algorithm.opmd_baseline": "logavgexp", "algorithm.opmd_tau": 0.5}
+    expected = compute_advantages(
+        "opmd", REWARDS, GROUPS, MASK, opmd_baseline="logavgexp", opmd_tau=0.5
+    )
+    torch.testing.assert_close(config_advantages(soft), expected)
+    assert not torch.allclose(config_advantages(soft), config_advantages(opmd))
+    hotter = {**soft, "algorithm.opmd_tau": 2.0}
+    assert not torch.allclose(config_advantages(soft), config_advantages(hotter))
+
+
+def test_config_advantage_epsilon_changes_the_advantages() -> None:
+    coarse = config_advantages({"algorithm.advantage_epsilon": 0.5})
+    expected = compute_advantages("grpo", REWARDS, GROUPS, MASK, epsilon=0.5)
+    torch.testing.assert_close(coarse, expected)
+    assert not torch.allclose(coarse, config_advantages({}))

@@ -124,6 +124,33 @@ def test_gspo_matches_the_paper_objective_and_gradient() -> None:
     torch.testing.assert_close(grad, ref_grad)
 
 
+@pytest.mark.parametrize(
+    ("seq_log_ratio", "ratio", "token_grad"),
+    [(9.0, math.exp(9.0), math.exp(9.0) / 2), (11.0, math.exp(10.0), 0.0)],
+)
+def test_gspo_caps_the_sequence_ratio_at_e10_like_verl(
+    seq_log_ratio: float, ratio: float, token_grad: float
+) -> None:
+    # A < 0 keeps the unclipped side: loss = mean over the 2 tokens of -A * s. Above the cap
+    # the ratio is e^10 and the sequence gives no gradient (no full-size step on a stale row).
+    logp = torch.full((1, 2), seq_log_ratio, dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    adv = torch.full((1, 2), -1.0, dtype=torch.float64)
+    loss, _ = policy_loss(
+        "gspo",
+        logp,
+        old,
+        adv,
+        torch.ones(1, 2),
+        dual_clip=None,
+        loss_agg_mode="seq-mean-token-mean",
+        **CLIP,
+    )
+    assert loss.item() == pytest.approx(ratio)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.full((1, 2), token_grad, dtype=torch.float64))
+
+
 def test_sft_is_masked_negative_log_likelihood() -> None:
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -4.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
 from pydantic import ValidationError
 
-from trinity_dagster.config import ConfigError, TrinityConfig, load_config
+from trinity_dagster.config import (
+    ALGORITHM_PRESETS,
+    AlgorithmConfig,
+    ConfigError,
+    TrinityConfig,
+    load_config,
+)
 from trinity_dagster.service.server import check_bind_host
 
 
@@ -86,6 +93,11 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
         ),
         ({"service": {"host": "0.0.0.0"}}, "service.host", "allow_non_loopback"),
         ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "greater than 1"),
+        (
+            {"algorithm": {"algorithm_type": "ppo"}},
+            "algorithm.algorithm_type",
+            "'grpo', 'rloo', 'reinforce_plus_plus', 'opmd', 'gspo' or 'sft'",
+        ),
         ({"buffers": {}}, "buffers", "unknown key"),
     ],
 )
@@ -160,3 +172,48 @@ def test_demo_example_spells_out_the_embedded_defaults() -> None:
 def test_examples_load(name: str) -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / name)
     assert Path(cfg.run_root).is_absolute()
+
+
+def test_every_algorithm_type_has_a_preset() -> None:
+    names = get_args(AlgorithmConfig.model_fields["algorithm_type"].annotation)
+    assert set(names) == set(ALGORITHM_PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("algorithm_type", "selected"),
+    [
+        ("rloo", {"advantage_fn": "rloo", "policy_loss_fn": "ppo"}),
+        ("reinforce_plus_plus", {"advantage_fn": "reinforce_plus_plus"}),
+        ("opmd", {"advantage_fn": "opmd", "policy_loss_fn": "ppo"}),
+        (
+            "gspo",
+            {
+                "advantage_fn": "grpo",
+                "policy_loss_fn": "gspo",
+                "clip_range_low": 3e-4,
+                "clip_range_high": 4e-4,
+                "loss_agg_mode": "seq-mean-token-mean",
+            },
+        ),
+        ("sft", {"policy_loss_fn": "sft"}),
+    ],
+)
+def test_algorithm_type_selects_its_defaults(algorithm_type: str, selected: dict) -> None:
+    algorithm = load_config(None, {"algorithm.algorithm_type": algorithm_type}).algorithm
+    assert {key: getattr(algorithm, key) for key in selected} == selected
+
+
+def test_keys_set_in_the_file_override_the_algorithm_type(tmp_path: Path) -> None:
+    data = {
+        "algorithm": {"algorithm_type": "gspo", "clip_range_high": 0.01, "advantage_fn": "rloo"}
+    }
+    algorithm = load_config(write(tmp_path, data)).algorithm
+    assert (algorithm.clip_range_high, algorithm.advantage_fn) == (0.01, "rloo")
+    assert (algorithm.policy_loss_fn, algorithm.clip_range_low) == ("gspo", 3e-4)
+
+
+def test_sft_type_makes_every_step_an_sft_step_unless_told_otherwise() -> None:
+    sft = {"algorithm.algorithm_type": "sft", "trainer.total_steps": 12}
+    assert load_config(None, sft).trainer.sft_warmup_steps == 12
+    told = load_config(None, {**sft, "trainer.sft_warmup_steps": 5})
+    assert told.trainer.sft_warmup_steps == 5

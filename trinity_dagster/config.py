@@ -83,10 +83,35 @@ class ModelConfig(_Section):
         return self
 
 
-class AlgorithmConfig(_Section):
-    """The RL algorithm: advantage, policy loss, KL and loss aggregation, chosen by name."""
+AlgorithmType = Literal["grpo", "rloo", "reinforce_plus_plus", "opmd", "gspo", "sft"]
 
-    algorithm_type: Literal["grpo", "ppo", "rloo", "reinforce_plus_plus", "opmd", "sft"] = "grpo"
+# The AlgorithmConfig keys each `algorithm_type` selects (Trinity-RFT's algorithm defaults,
+# where this trainer has the pieces; docs/algorithms.md). Keys the file sets override them.
+ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {"advantage_fn": "grpo", "policy_loss_fn": "ppo"},
+    "rloo": {"advantage_fn": "rloo", "policy_loss_fn": "ppo"},
+    "reinforce_plus_plus": {"advantage_fn": "reinforce_plus_plus", "policy_loss_fn": "ppo"},
+    "opmd": {"advantage_fn": "opmd", "policy_loss_fn": "ppo"},
+    "gspo": {
+        "advantage_fn": "grpo",
+        "policy_loss_fn": "gspo",
+        "clip_range_low": 3e-4,
+        "clip_range_high": 4e-4,
+        "loss_agg_mode": "seq-mean-token-mean",
+    },
+    "sft": {"policy_loss_fn": "sft"},
+}
+
+
+class AlgorithmConfig(_Section):
+    """The RL algorithm: advantage, policy loss, KL and loss aggregation, chosen by name.
+
+    `algorithm_type` fills the keys the file leaves out from its ALGORITHM_PRESETS entry.
+    """
+
+    algorithm_type: AlgorithmType = Field(
+        default="grpo", description="Selects the defaults of the keys in ALGORITHM_PRESETS."
+    )
     repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
     advantage_fn: Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"] = "grpo"
     advantage_epsilon: float = Field(default=1e-6, gt=0)
@@ -119,6 +144,16 @@ class AlgorithmConfig(_Section):
     recompute_old_logprobs: bool = Field(
         default=False, description="Recompute old log-probs with the trainer's weights."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """The keys given, completed from the preset of their `algorithm_type`."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("algorithm_type", cls.model_fields["algorithm_type"].default)
+        preset = ALGORITHM_PRESETS.get(name, {}) if isinstance(name, str) else {}
+        return {**preset, **data}
 
     @property
     def uses_reference_model(self) -> bool:
@@ -270,11 +305,51 @@ class DagsterConfig(_Section):
     eval_cron: str = "*/30 * * * *"
 
 
+MonitorBackend = Literal["tensorboard", "mlflow", "jsonl"]
+_WANDB_REFUSED = (
+    "'wandb' is not supported: W&B's offline mode keeps a run in a local directory that "
+    "only a W&B server shows (after `wandb sync`, over the network); use 'mlflow' (a local "
+    "SQLite store, `mlflow ui`) or 'tensorboard'"
+)
+
+
 class MonitorConfig(_Section):
-    """Logging of metrics and progress."""
+    """Logging, and the experiment-tracking backends that receive every step's metrics."""
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    metrics_file: bool = Field(default=True, description="Also append metrics to logs/*.jsonl.")
+    backends: list[MonitorBackend] = Field(
+        default=["tensorboard", "jsonl"],
+        description="Where the trainer also sends each step's metrics: 'tensorboard' "
+        "(logs/tensorboard/), 'mlflow' (logs/mlflow/, or mlflow_tracking_uri), 'jsonl' "
+        "(logs/metrics.jsonl).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking store or server; None: SQLite under logs/mlflow/.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_replaced_and_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "metrics_file" in data:
+            raise _at(
+                "monitor.metrics_file",
+                "replaced by monitor.backends: list 'jsonl' there to append each step's "
+                "metrics to logs/metrics.jsonl",
+            )
+        backends = data.get("backends")
+        if isinstance(backends, list) and "wandb" in backends:
+            raise _at("monitor.backends", _WANDB_REFUSED)
+        return data
+
+    @model_validator(mode="after")
+    def _check_backends_once(self) -> MonitorConfig:
+        repeated = sorted({b for b in self.backends if self.backends.count(b) > 1})
+        if repeated:
+            raise _at("monitor.backends", f"{', '.join(repeated)} listed more than once")
+        return self
 
 
 class TrinityConfig(_Section):
@@ -293,6 +368,17 @@ class TrinityConfig(_Section):
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     dagster: DagsterConfig = Field(default_factory=DagsterConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+    @model_validator(mode="after")
+    def _sft_type_trains_every_step(self) -> TrinityConfig:
+        """algorithm_type 'sft': all steps imitate demonstrations unless the file says otherwise."""
+        trainer = self.trainer
+        if (
+            self.algorithm.algorithm_type == "sft"
+            and "sft_warmup_steps" not in trainer.model_fields_set
+        ):
+            trainer.sft_warmup_steps = trainer.total_steps
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrinityConfig:

@@ -7,6 +7,7 @@ tokens that count. See docs/algorithms.md for each name's formula and config fie
 from trinity_dagster.algorithms.advantages import (
     ADVANTAGE_FNS,
     AdvantageOptions,
+    advantages_from_config,
     compute_advantages,
     token_level_rewards,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "POLICY_LOSS_FNS",
     "AdvantageOptions",
     "ClipOptions",
+    "advantages_from_config",
     "aggregate_loss",
     "apply_kl_penalty",
     "compute_advantages",

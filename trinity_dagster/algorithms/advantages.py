@@ -12,11 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from trinity_dagster.algorithms._checks import bool_mask, check_2d, check_finite, check_mask, lookup
+
+if TYPE_CHECKING:
+    from trinity_dagster.config import AlgorithmConfig
 
 
 @dataclass(frozen=True)
@@ -138,21 +142,22 @@ def reinforce_plus_plus_advantages(
 ) -> Tensor:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): whitened discounted returns-to-go.
 
-    G_t = sum_{k >= t} gamma^(k - t) r_k over the token positions of the row (as in verl and
-    Trinity-RFT), with r the token-level rewards (a scalar reward sits at the last counted
-    token). A_t = (G_t - mu) / sqrt(var + eps), with mu and the unbiased var taken over
-    all counted tokens of the batch. Groups are not used. Fewer than two counted tokens
-    give A = 0.
+    G_t = r_t + gamma * G_next over the counted tokens of the row, G_next being the return
+    at the next counted token: uncounted positions (an environment turn, padding) are not
+    steps, so the return crosses them undiscounted and their rewards are dropped (as verl
+    0.9.1). r are the token-level rewards (a scalar reward sits at the last counted token).
+    A_t = (G_t - mu) / sqrt(var + eps), with mu and the unbiased var taken over all counted
+    tokens of the batch. Groups are not used. Fewer than two counted tokens give A = 0.
     """
     keep = bool_mask(mask)
     token_rewards = (token_level_rewards(rewards, mask) if rewards.dim() == 1 else rewards).to(
         torch.float64
     )
-    token_rewards = torch.where(keep, token_rewards, torch.zeros_like(token_rewards))
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0], dtype=torch.float64, device=rewards.device)
     for t in range(token_rewards.shape[1] - 1, -1, -1):
-        running = token_rewards[:, t] + opts.gamma * running
+        stepped = token_rewards[:, t] + opts.gamma * running
+        running = torch.where(keep[:, t], stepped, running)
         returns[:, t] = running
     count = int(keep.sum())
     if count < 2:
@@ -222,3 +227,23 @@ def compute_advantages(
     )
     with torch.no_grad():
         return fn(rewards.detach().to(mask.device), group_index.to(mask.device), mask, opts)
+
+
+def advantages_from_config(
+    algorithm: AlgorithmConfig, rewards: Tensor, group_index: Tensor, mask: Tensor
+) -> Tensor:
+    """Advantages [B, T] of the estimator and settings that `algorithm` (config section) selects.
+
+    The estimator is `advantage_fn`; its options are `advantage_epsilon`, `gamma`,
+    `opmd_baseline` and `opmd_tau`. Arguments and result as in `compute_advantages`.
+    """
+    return compute_advantages(
+        algorithm.advantage_fn,
+        rewards,
+        group_index,
+        mask,
+        epsilon=algorithm.advantage_epsilon,
+        gamma=algorithm.gamma,
+        opmd_baseline=algorithm.opmd_baseline,
+        opmd_tau=algorithm.opmd_tau,
+    )

@@ -2,7 +2,8 @@
 
 With log-ratio d = logp - ref (per token, sampled from the policy), the estimators of
 KL(pi || pi_ref) are those of Schulman, "Approximating KL Divergence" (2020), as named in
-verl and Trinity-RFT.
+Trinity-RFT. verl differs in one name: its `k3` is the clamped `low_var_kl`; here `k3` is
+the plain formula.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 def _k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, low variance, >= 0)."""
+    """k3 = exp(ref - logp) - (ref - logp) - 1 (unbiased, low variance, >= 0), unclamped."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
@@ -84,8 +85,10 @@ def apply_kl_penalty(
     policy's (old) log-probs, `ref_logprobs` the reference model's. Positions outside the
     mask are 0. Feed the result to `compute_advantages` (reinforce_plus_plus uses it per
     token; group estimators score a sequence by its sum), as in verl / Trinity-RFT
-    `apply_kl_penalty_to_reward`. Metrics (detached scalars): `kl` = batch mean of each
-    sequence's mean KL over its counted tokens, `kl_coef` = coef.
+    `apply_kl_penalty_to_reward`. Metrics (detached scalars): `kl` = mean, over the
+    sequences with at least one counted token, of each one's mean KL over its counted
+    tokens (0 when there is none; Trinity counts an empty sequence as 0 in the mean),
+    `kl_coef` = coef.
     """
     fn = lookup(KL_FNS, name, "kl_penalty_fn")
     check_mask(mask)

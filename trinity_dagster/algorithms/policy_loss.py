@@ -19,6 +19,9 @@ from trinity_dagster.algorithms.aggregation import aggregate_loss
 
 # Log-ratios are clamped to this range before exp, for stability (as in Trinity-RFT / verl).
 LOG_RATIO_LIMIT = 20.0
+# GSPO's sequence log-ratio is capped here before exp, as in verl: above it the ratio is
+# e^10 and the sequence contributes no gradient.
+GSPO_LOG_RATIO_MAX = 10.0
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,16 @@ def gspo_loss(
     in the clipped surrogate with A_t, so the clip decision is per sequence. With
     advantages constant over a sequence and `seq-mean-token-mean` aggregation this is
     exactly the GSPO objective (1/G) sum_i min(s_i A_i, clip(s_i) A_i) and its gradient.
+    As in verl, log s_i,t is capped at GSPO_LOG_RATIO_MAX: a sequence whose ratio is above
+    e^10 counts with ratio e^10 and no gradient.
     """
     token_log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
     tokens = keep.sum(dim=-1).clamp_min(1).to(logprobs.dtype)
-    seq_log_ratio = (token_log_ratio.sum(dim=-1) / tokens).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    seq_log_ratio = token_log_ratio.sum(dim=-1) / tokens
     live = torch.where(keep, logprobs, torch.zeros_like(logprobs))
     log_ratio = live - live.detach() + seq_log_ratio.detach().unsqueeze(-1)
-    losses, metrics = _clipped_surrogate(torch.exp(log_ratio), advantages, keep, opts)
+    ratio = torch.exp(log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
+    losses, metrics = _clipped_surrogate(ratio, advantages, keep, opts)
     metrics["ppo_kl"] = _masked_mean(-token_log_ratio.detach(), keep)
     has_tokens = keep.any(dim=-1)
     metrics["ppo_kl_seq"] = _masked_mean(-seq_log_ratio.detach(), has_tokens)

@@ -28,7 +28,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from trinity_dagster.algorithms import apply_kl_penalty, compute_advantages, mask_counts
+from trinity_dagster.algorithms import advantages_from_config, apply_kl_penalty, mask_counts
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
 from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue
@@ -277,12 +277,8 @@ class TrainEngine:
                 "critic/kl": float(mean_kl) / self.parallel.dp_size,
                 "critic/kl_coef": algo.kl_penalty_coef,
             }
-        advantages = compute_advantages(
-            algo.advantage_fn,
-            rewards,
-            batch["group_index"],
-            batch["response_mask"],
-            epsilon=algo.advantage_epsilon,
+        advantages = advantages_from_config(
+            algo, rewards, batch["group_index"], batch["response_mask"]
         )
         return advantages.float(), extra
 

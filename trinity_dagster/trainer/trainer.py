@@ -11,7 +11,9 @@ with the trainer state `failed` and the exception raised to the caller.
 
 The Dagster graph runs this loop in its long-lived trainer run and passes a hook that logs
 `experience_batch[N]`, `train_step[N]` and `synced_weights[N]`; Python users call
-`asyncio.run(Trainer(config).run())` without Dagster.
+`asyncio.run(Trainer(config).run())` without Dagster. After the hook, each step's metrics
+also go to the tracking backends of `monitor.backends` (`trinity_dagster.monitor`), and the
+final save's HF export to those that keep models (MLflow).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from trinity_dagster.buffer.end_of_data import end_of_data
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
 from trinity_dagster.buffer.tables import table_log_mtime
 from trinity_dagster.checkpoint import rules
+from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
 from trinity_dagster.trainer.run_state import DATA_ENDED, write_trainer_state
@@ -94,6 +98,7 @@ class Trainer:
         self.save_hf_checkpoint = config.trainer.save_hf_checkpoint
         self.last_sync_step = 0
         self._last_record: dict[str, Any] | None = None
+        self.monitor = MonitorGroup({})  # the tracking backends, started by prepare()
 
     @property
     def train_step_num(self) -> int:
@@ -101,15 +106,16 @@ class Trainer:
         return self.engine.train_step_num
 
     async def prepare(self) -> None:
-        """Connect to the engine and take its step and sync bookkeeping."""
+        """Start the tracking backends, connect to the engine, take its step and sync state."""
+        self.monitor = open_monitor(self.config)  # before the engine: a bad setting fails fast
         self.engine.prepare()
         self.last_sync_step = self.engine.last_sync_step
         write_trainer_state(self.paths, "running", self.train_step_num)
 
     async def run(self, last_step: int | None = None) -> str:
         """`prepare()`, `train(last_step)`, `shutdown()`; returns why training stopped."""
-        await self.prepare()
         try:
+            await self.prepare()
             return await self.train(last_step)
         finally:
             await self.shutdown()
@@ -127,6 +133,7 @@ class Trainer:
                 self.save_checkpoint(
                     block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never"
                 )
+                self._log_final_model()
                 answer_requests(self._requests())  # no newer weights will come
                 write_trainer_state(self.paths, "finished", self.train_step_num, reason)
         except Exception as err:  # an interrupted loop (killed, cancelled) resumes: no state
@@ -157,6 +164,7 @@ class Trainer:
             # reported once the weights are out, so explorers go on while the hook records
             self.hook.on_batch(step, batch)
             self.hook.on_step(step, self._last_record, metrics)
+            self.monitor.log(step, metrics)
         if end == self.total_steps:
             return f"trained all {self.total_steps} steps (trainer.total_steps)", True
         return f"trained up to step {end}, the end of the requested range", False
@@ -272,8 +280,12 @@ class Trainer:
         return metrics
 
     async def shutdown(self) -> None:
-        """Release the engine connection (the engine service keeps running until idle)."""
-        self.engine.close()
+        """Release the engine connection (the engine service keeps running until idle) and
+        close the tracking backends."""
+        try:
+            self.engine.close()
+        finally:
+            self.monitor.close()
 
     async def is_alive(self) -> bool:
         """Whether the engine answers."""
@@ -282,6 +294,11 @@ class Trainer:
         except Exception:
             return False
         return True
+
+    def _log_final_model(self) -> None:
+        if self.train_step_num > 0 and self.save_hf_checkpoint != "never":
+            hf_dir = checkpoint_dir(self.paths, self.train_step_num) / HF_SUBDIR
+            self.monitor.log_final_model(hf_dir)
 
     def _checkpoint_sync(self) -> bool:
         return self.config.synchronizer.sync_method == "checkpoint"

@@ -1,0 +1,271 @@
+"""`monitor.backends`: every train step's metrics reach TensorBoard, MLflow and a JSONL file.
+
+What each backend wrote is read back with that tool's own reader (tensorboard's
+`EventAccumulator`, the `mlflow` client, `json`) and compared with what the trainer hook, the
+Dagster side's record, received. The fast tests drive `Trainer` over the fake engine of
+`test_trainer_loop`; one short real run drives it over the engine service and also checks the
+final HF model that MLflow keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Run
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import tests.run_helpers as run_helpers
+from tests.run_helpers import fill_buffer, tiny_config
+from tests.test_trainer_loop import FakeEngine, RecordingHook
+from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
+from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
+from trinity_dagster.monitor import Monitor, MonitorError, MonitorGroup
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.trainer import SyncWithheldError, Trainer
+
+ALL_BACKENDS = ["tensorboard", "mlflow", "jsonl"]
+StepMetrics = dict[int, dict[str, float]]
+
+
+@pytest.fixture(autouse=True)
+def _no_mlflow_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow would otherwise try to send usage data; these tests stay on this machine."""
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+@pytest.fixture
+def fake_vocab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synthetic experiences for the fake engine need only a vocabulary size."""
+    monkeypatch.setattr(run_helpers, "vocab_size", lambda config: 96)
+
+
+def monitored_config(
+    tmp_path: Path,
+    backends: list[str],
+    total_steps: int,
+    save_hf_checkpoint: str = "last",
+    **monitor: Any,
+) -> TrinityConfig:
+    trainer = {
+        "total_steps": total_steps,
+        "save_interval": 0,
+        "save_hf_checkpoint": save_hf_checkpoint,
+    }
+    extra = {
+        "trainer": trainer,
+        "buffer": {"read_timeout_s": 60.0},
+        "monitor": {"backends": backends, **monitor},
+    }
+    return tiny_config(tmp_path, extra)[0]
+
+
+def tensorboard_steps(run_root: Path) -> StepMetrics:
+    """Every scalar of the event files under `logs/tensorboard/`, by step."""
+    events = EventAccumulator(str(run_root / "logs" / "tensorboard")).Reload()
+    steps: StepMetrics = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            steps.setdefault(event.step, {})[tag] = event.value
+    return steps
+
+
+def mlflow_run(config: TrinityConfig) -> tuple[MlflowClient, Run]:
+    """The client of the run root's default MLflow store, and its one run."""
+    store = Path(config.run_root, "logs", "mlflow", "mlflow.db")
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    experiment = client.get_experiment_by_name(config.project)
+    assert experiment is not None, f"no MLflow experiment {config.project!r} in {store}"
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, runs
+    return client, runs[0]
+
+
+def mlflow_steps(client: MlflowClient, run: Run) -> StepMetrics:
+    """Every metric of the MLflow run, by step."""
+    steps: StepMetrics = {}
+    for key in run.data.metrics:
+        for metric in client.get_metric_history(run.info.run_id, key):
+            steps.setdefault(metric.step, {})[key] = metric.value
+    return steps
+
+
+def jsonl_lines(run_root: Path) -> list[dict[str, Any]]:
+    lines = (run_root / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def hook_steps(hook: RecordingHook) -> dict[int, Mapping[str, Any]]:
+    return dict(zip(hook.steps, hook.metrics, strict=True))
+
+
+def assert_config_params(run: Run, config: TrinityConfig) -> None:
+    params = run.data.params
+    assert params["trainer.total_steps"] == str(config.trainer.total_steps)
+    assert params["trainer.optim.lr"] == str(config.trainer.optim.lr)
+    assert params["model.hidden_size"] == str(config.model.hidden_size)
+    assert params["monitor.backends"] == str(config.monitor.backends)
+    assert params["run_root"] == config.run_root
+    assert {key.split(".")[0] for key in params} >= set(TrinityConfig.model_fields)
+
+
+@pytest.mark.parametrize(
+    ("monitor", "key", "says"),
+    [
+        ({"backends": ["neptune"]}, "monitor.backends.0", "'tensorboard', 'mlflow' or 'jsonl'"),
+        ({"backends": ["wandb"]}, "monitor.backends", "only a W&B server shows"),
+        ({"backends": ["jsonl", "jsonl"]}, "monitor.backends", "jsonl listed more than once"),
+        ({"metrics_file": True}, "monitor.metrics_file", "replaced by monitor.backends"),
+    ],
+)
+def test_unknown_unsupported_and_replaced_settings_are_refused(
+    monitor: dict[str, Any], key: str, says: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"monitor": monitor}, "run.yaml")
+    assert f"{key}: " in str(err.value) and says in str(err.value)
+
+
+def test_each_step_reaches_every_backend_as_the_hook_received_it(
+    tmp_path: Path, fake_vocab: None
+) -> None:
+    # the fake engine writes no HF export: no final model for MLflow
+    config = monitored_config(tmp_path, ALL_BACKENDS, total_steps=3, save_hf_checkpoint="never")
+    fill_buffer(config, 3)
+    hook = RecordingHook()
+
+    asyncio.run(Trainer(config, engine=FakeEngine(), hook=hook).run())
+
+    root = Path(config.run_root)
+    expected = hook_steps(hook)
+    assert list(expected) == [1, 2, 3]
+    assert all("actor/pg_loss" in metrics for metrics in expected.values())
+    tensorboard = tensorboard_steps(root)
+    assert tensorboard.keys() == expected.keys()
+    for step, metrics in expected.items():  # event files keep float32
+        assert tensorboard[step] == pytest.approx(metrics, rel=1e-6), step
+    client, run = mlflow_run(config)
+    assert mlflow_steps(client, run) == expected
+    assert run.info.status == "FINISHED"
+    assert_config_params(run, config)
+    assert jsonl_lines(root) == [{"step": s, "metrics": m} for s, m in expected.items()]
+
+
+@pytest.mark.parametrize(
+    ("backends", "not_imported"),
+    [
+        ([], {"mlflow", "tensorboard", "torch"}),
+        (["jsonl"], {"mlflow", "tensorboard", "torch"}),
+        (["tensorboard", "jsonl"], {"mlflow", "torch"}),  # the default: no torch in the trainer
+    ],
+)
+def test_a_run_imports_only_the_trackers_it_names(
+    tmp_path: Path, backends: list[str], not_imported: set[str]
+) -> None:
+    check = (
+        "import sys\n"
+        "from trinity_dagster.config import config_from_dict\n"
+        "from trinity_dagster.monitor import open_monitor\n"
+        f"config = config_from_dict({{'run_root': {str(tmp_path)!r}, "
+        f"'monitor': {{'backends': {backends!r}}}}})\n"
+        "monitor = open_monitor(config)\n"
+        "monitor.log(1, {'actor/pg_loss': 0.5})\n"
+        "monitor.close()\n"
+        "print(sorted(sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not_imported.isdisjoint(done.stdout.split("'")), done.stdout
+
+
+def test_a_backend_that_fails_to_start_fails_the_run_before_the_engine_starts(
+    tmp_path: Path,
+) -> None:
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    config = monitored_config(
+        tmp_path, ALL_BACKENDS, total_steps=1, mlflow_tracking_uri=f"sqlite:///{not_a_dir}/m.db"
+    )
+    engine = FakeEngine()
+
+    with pytest.raises(MonitorError, match=r"monitor backend 'mlflow' .* failed to start"):
+        asyncio.run(Trainer(config, engine=engine).run())
+
+    assert engine.prepared == 0 and engine.closed == 1
+
+
+def test_a_failed_training_ends_its_mlflow_run_failed(tmp_path: Path, fake_vocab: None) -> None:
+    config = monitored_config(tmp_path, ["mlflow"], total_steps=3)
+    fill_buffer(config, 3)
+    engine = FakeEngine(health_problems={2: ["actor/grad_norm is nan"]})
+
+    with pytest.raises(SyncWithheldError):
+        asyncio.run(Trainer(config, engine=engine).run())
+
+    client, run = mlflow_run(config)
+    assert run.info.status == "FAILED"
+    assert sorted(mlflow_steps(client, run)) == [1]
+
+
+class Failing(Monitor):
+    def __init__(self) -> None:
+        self.closed = False
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        raise OSError("disk full")
+
+    def log_final_model(self, hf_dir: Path) -> None:
+        raise AssertionError("not called here")
+
+    def close(self) -> None:
+        self.closed = True
+        raise OSError("disk still full")
+
+
+def test_a_failing_backend_is_named_and_the_others_are_still_closed() -> None:
+    first, second = Failing(), Failing()
+    group = MonitorGroup({"first": first, "second": second})
+
+    with pytest.raises(MonitorError, match=r"'first' .* log the metrics of step 4: OSError: disk"):
+        group.log(4, {"actor/pg_loss": 0.5})
+    with pytest.raises(MonitorError, match="failed to close"):
+        group.close()
+    assert first.closed and second.closed
+
+
+def test_a_real_run_logs_every_step_and_the_final_model(tmp_path: Path) -> None:
+    """The engine service trains 3 steps; the backends hold its metrics and final model."""
+    config = monitored_config(tmp_path, ALL_BACKENDS, total_steps=3)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 3)
+    hook = RecordingHook()
+    try:
+        asyncio.run(Trainer(config, hook=hook).run())
+    finally:
+        stop_service(paths)
+
+    expected = hook_steps(hook)
+    pg_losses = {step: metrics["actor/pg_loss"] for step, metrics in expected.items()}
+    assert list(pg_losses) == [1, 2, 3]
+    tensorboard = tensorboard_steps(paths.root)
+    assert {s: m["actor/pg_loss"] for s, m in tensorboard.items()} == pytest.approx(pg_losses)
+    client, run = mlflow_run(config)
+    assert mlflow_steps(client, run) == expected
+    assert_config_params(run, config)
+    assert run.info.status == "FINISHED"
+    assert [line["step"] for line in jsonl_lines(paths.root)] == [1, 2, 3]
+    # the final checkpoint's HF export, file for file, as the run's artifact `model`
+    exported = checkpoint_dir(paths, 3) / HF_SUBDIR
+    logged = Path(client.download_artifacts(run.info.run_id, "model", str(tmp_path / "dl")))
+    names = sorted(p.name for p in exported.iterdir())
+    assert "model.safetensors" in names and sorted(p.name for p in logged.iterdir()) == names
+    for name in names:
+        assert (logged / name).read_bytes() == (exported / name).read_bytes(), name

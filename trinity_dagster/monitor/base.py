@@ -1,0 +1,34 @@
+"""`Monitor`, what every experiment-tracking backend implements, and `MonitorError`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class MonitorError(RuntimeError):
+    """A tracking backend failed to start, log or close; the message names the backend."""
+
+
+class Monitor(ABC):
+    """One experiment-tracking backend (Trinity-RFT's `monitor_type`): it receives the
+    metrics of every train step and, at the end of training, the final model."""
+
+    @abstractmethod
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record the metrics of train step `step` (Trinity-RFT's names, e.g. `actor/pg_loss`)."""
+
+    @abstractmethod
+    def log_final_model(self, hf_dir: Path) -> None:
+        """Record the final model, a Hugging Face directory (a no-op where none is kept)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Write out what is buffered and release files and connections."""
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The numeric metrics, as floats (what scalar-only backends can record)."""
+    return {name: float(value) for name, value in metrics.items() if isinstance(value, int | float)}
