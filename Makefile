@@ -24,7 +24,7 @@ test: install
 	bash scripts/test.sh
 
 lint: install
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite as CI runs it: lint, format check, then every test, slow ones included.
+# The whole test suite as CI runs it: lint, format check, type check, then every test, slow
+# ones included.
 # Extra arguments go to pytest (e.g. `-m "not slow"` for a quick local run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
+"$VENV/bin/mypy"  # type check of trinity_dagster/ (config in pyproject.toml)
 bash scripts/ensure_chromium.sh  # headless Chromium for tests/test_e2e_dagster_dev.py
 exec "$VENV/bin/pytest" "$@"

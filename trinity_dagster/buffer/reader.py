@@ -47,7 +47,7 @@ def _aligned(
     values: list[list[float] | None], prompts: np.ndarray, shape: tuple[int, int], dtype: type
 ) -> np.ndarray:
     """Per-response-token values placed at the positions of their tokens."""
-    out = np.zeros(shape, dtype=dtype)
+    out: np.ndarray = np.zeros(shape, dtype=dtype)
     for i, row in enumerate(values):
         if row:
             out[i, prompts[i] : prompts[i] + len(row)] = row

@@ -170,16 +170,14 @@ def pin_batch(
     paths = RunPaths.of(config.run_root)
     strategy = get_strategy(config.buffer.sample_strategy)
     version_now = step - 1 if current_version is None else current_version
-    outcome: dict[str, object] = {}
 
-    def attempt() -> None:
-        outcome.clear()
+    def attempt() -> tuple[PinResult | PinShortfall, list[QuarantineRecord]]:
+        """One try: the pin (or the shortfall) and the stale rows the pin drops."""
         batches = open_or_create(paths.batches, BATCH_SCHEMA)
         around = _step_rows(batches, [step - 1, step], ["step", "sampler_state"])
         known = around.column("step").to_pylist()
         if step in known:
-            outcome["result"] = _existing(batches, step)
-            return
+            return _existing(batches, step), []
         if step > 1 and step - 1 not in known:
             raise PinOrderError(
                 f"cannot pin step {step}: step {step - 1} is not pinned (steps are pinned in order)"
@@ -192,8 +190,7 @@ def pin_batch(
         experiences = open_table(paths.experiences)
         need = config.buffer.train_batch_size
         if experiences is None:
-            outcome["result"] = PinShortfall(have=0, need=need)
-            return
+            return PinShortfall(have=0, need=need), []
         source_version = experiences.version()
         context = SampleContext(config=config, current_version=version_now)
         selection, chunk = Selection(), None
@@ -207,8 +204,7 @@ def pin_batch(
             if selection.train:
                 break
         if not selection.train or chunk is None:
-            outcome["result"] = PinShortfall(have=selection.eligible_rows, need=need)
-            return
+            return PinShortfall(have=selection.eligible_rows, need=need), []
         new_state = _advance(
             state,
             step,
@@ -242,7 +238,7 @@ def pin_batch(
             writer_properties=writer_properties(),
             commit_properties=CommitProperties(max_commit_retries=0),
         )
-        outcome["result"] = PinResult(
+        pinned = PinResult(
             step=step,
             eids=selection.train,
             source_version=source_version,
@@ -251,22 +247,22 @@ def pin_batch(
             dropped=dropped,
             already_pinned=False,
         )
-        outcome["stale"] = [
+        stale = [
             QuarantineRecord(eid, "model_version", reason, row_to_json(row))
             for (eid, reason), row in zip(
                 selection.dropped, rows.slice(len(selection.train)).to_pylist(), strict=True
             )
         ]
+        return pinned, stale
 
-    retry_commits(attempt, config.buffer.writer_max_retries, f"pin of step {step}")
-    result = outcome["result"]
+    result, stale = retry_commits(attempt, config.buffer.writer_max_retries, f"pin of step {step}")
     append_quarantine(
         paths.quarantine,
-        outcome.get("stale", []),  # type: ignore[arg-type]
+        stale,
         source="sampler",
         step=step,
         max_retries=config.buffer.writer_max_retries,
     )
     if isinstance(result, PinShortfall) and force:
         raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
-    return result  # type: ignore[return-value]
+    return result

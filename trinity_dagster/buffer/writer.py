@@ -141,13 +141,12 @@ class ExperienceWriter:
     def _semantic_rejects(
         table: pa.Table, kept: list[int], problems: list[tuple[str, str] | None]
     ) -> list[Rejection]:
-        bad = [i for i, p in enumerate(problems) if p is not None]
-        if not bad:
+        flagged = [(i, p) for i, p in enumerate(problems) if p is not None]
+        if not flagged:
             return []
-        rows = table.take(pa.array(bad, pa.int64())).to_pylist()
+        rows = table.take(pa.array([i for i, _ in flagged], pa.int64())).to_pylist()
         out = []
-        for i, row in zip(bad, rows, strict=True):
-            bad_field, reason = problems[i]  # type: ignore[misc]
+        for (i, (bad_field, reason)), row in zip(flagged, rows, strict=True):
             eid = row["eid"] if isinstance(row.get("eid"), str) else None
             out.append(Rejection(kept[i], eid, bad_field, reason, row_to_json(row)))
         return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,12 +88,16 @@ def _cpu_tensors(tensors: Mapping[str, Tensor], out_dir: Path) -> dict[str, Tens
                 f"got {type(tensor).__name__}"
             )
         t = tensor.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        if _storage_key(t) in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()
-        seen.add((t.untyped_storage().data_ptr(), t.storage_offset()))
+        seen.add(_storage_key(t))
         out[name] = t
     return out
+
+
+def _storage_key(tensor: Tensor) -> tuple[int, int]:
+    """Where `tensor`'s data starts: its storage's address and its offset in that storage."""
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())
 
 
 def _config_text(hf_config: Mapping[str, Any], tensors: dict[str, Tensor], out_dir: Path) -> str:
@@ -118,4 +123,4 @@ def _copy_model_files(source_dir: Path, out_dir: Path) -> None:
     for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
         source = source_dir / name
         if source.is_file():
-            write_file_atomic(out_dir / name, lambda tmp, src=source: shutil.copyfile(src, tmp))
+            write_file_atomic(out_dir / name, partial(shutil.copyfile, source))

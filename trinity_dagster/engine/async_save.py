@@ -130,22 +130,26 @@ def _clone_buckets(buckets: list[Any]) -> list[Any]:
 
 def _write_buckets(transforms: list[Any], buckets: list[Any], results: Any) -> None:
     """Write every bucket file (fsynced) in this thread; put {index: results} or an error."""
+    results.put(_write_all(transforms, buckets))
+
+
+def _write_all(transforms: list[Any], buckets: list[Any]) -> dict[int, Any] | Exception:
+    """Write every bucket file (fsynced); {index: results}, or the first error."""
     local: queue.Queue = queue.Queue()
     count: queue.Queue = queue.Queue()
     write = FileSystemWriterAsync.write_preloaded_data
-    outcome: dict[int, Any] | Exception = {}
+    written_by_index: dict[int, Any] = {}
     try:
         for index, bucket in enumerate(buckets):
             count.put(index)
             write(transforms, index, bucket, local, count, True)
             _, written = local.get()
             if isinstance(written, Exception):
-                outcome = written
-                break
-            outcome[index] = written
+                return written
+            written_by_index[index] = written
     except Exception as err:
-        outcome = err
-    results.put(outcome)
+        return err
+    return written_by_index
 
 
 class ThreadAsyncCaller(AsyncCaller):

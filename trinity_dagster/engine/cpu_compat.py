@@ -81,7 +81,7 @@ _CPU = torch.device("cpu")
 class _CudaToCpuMode(TorchFunctionMode):
     """Runs every torch call with CUDA devices replaced by the CPU."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -92,7 +92,9 @@ def _slots(model: GPTModel, hf_config: dict[str, Any]) -> Iterator[_Slot]:
 def _norm_weight(norm: torch.nn.Module, fused_linear: torch.nn.Module) -> torch.Tensor:
     """A norm's weight: its own (local spec) or the one fused into the next linear (TE spec)."""
     weight = getattr(norm, "weight", None)
-    return weight if weight is not None else fused_linear.layer_norm_weight
+    if weight is not None:
+        return weight
+    return cast(torch.Tensor, fused_linear.layer_norm_weight)
 
 
 # ---------------------------------------------------------------- layouts
@@ -136,7 +138,8 @@ def _local_shard(
         gate, up = hf
         return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
     if slot.layout == "qkv":
-        return _qkv_interleave(*hf, num_query_groups(hf_config)).chunk(tp)[rank]
+        q, k, v = hf
+        return _qkv_interleave(q, k, v, num_query_groups(hf_config)).chunk(tp)[rank]
     raise AssertionError(f"unknown layout {slot.layout}")
 
 

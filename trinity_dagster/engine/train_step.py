@@ -11,6 +11,7 @@ batches, data-parallel ranks) sum exactly to the loss of the whole batch on one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,7 @@ def micro_batch_loss(
         temperature=settings.temperature,
         entropy_grad=settings.entropy_coef > 0,
     )
-    norm = {
+    norm: dict[str, Any] = {
         "global_num_tokens": settings.global_num_tokens,
         "global_num_seqs": settings.global_num_seqs,
         "max_response_len": settings.max_response_len,

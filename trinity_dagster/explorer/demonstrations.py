@@ -20,6 +20,7 @@ from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.tasks import load_taskset
 from trinity_dagster.explorer.tokenizer import (
     build_tokenizer,
+    decode_response,
     encode_prompt,
     encode_response,
     load_tokenizer,
@@ -64,7 +65,7 @@ def demonstration_rows(
             "taskset": taskset.name,
             "prompt": task.prompt,
             "answer": task.answer,
-            "response": tokenizer.decode(response_ids, skip_special_tokens=False),
+            "response": decode_response(tokenizer, response_ids),
         }
         rows.append(
             {

@@ -14,7 +14,7 @@ from trinity_dagster.explorer.generation import SamplingParams, generate
 from trinity_dagster.explorer.policy import load_policy
 from trinity_dagster.explorer.rewards import RewardFn, exact_match, get_reward_fn
 from trinity_dagster.explorer.tasks import Task, load_taskset
-from trinity_dagster.explorer.tokenizer import load_tokenizer
+from trinity_dagster.explorer.tokenizer import decode_response, load_tokenizer
 from trinity_dagster.paths import RunPaths
 
 EVAL_BATCH_SIZE = 64
@@ -58,7 +58,5 @@ def evaluate(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        responses += [
-            tokenizer.decode(g.response_ids, skip_special_tokens=False) for g in generations
-        ]
+        responses += [decode_response(tokenizer, g.response_ids) for g in generations]
     return score_responses(taskset.name, tasks, responses, get_reward_fn(config.explorer.reward_fn))

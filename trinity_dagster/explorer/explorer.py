@@ -24,7 +24,7 @@ from trinity_dagster.explorer.generation import Generation, SamplingParams, gene
 from trinity_dagster.explorer.policy import load_policy, resolve_version
 from trinity_dagster.explorer.rewards import get_reward_fn
 from trinity_dagster.explorer.tasks import Task, TaskSet, load_taskset
-from trinity_dagster.explorer.tokenizer import encode_prompt, load_tokenizer
+from trinity_dagster.explorer.tokenizer import decode_response, encode_prompt, load_tokenizer
 from trinity_dagster.paths import RunPaths
 
 
@@ -151,7 +151,7 @@ class Explorer:
         version: int,
         created_at: datetime,
     ) -> dict[str, Any]:
-        response = self.tokenizer.decode(generation.response_ids, skip_special_tokens=False)
+        response = decode_response(self.tokenizer, generation.response_ids)
         info = {
             "taskset": self.taskset.name,
             "prompt": task.prompt,

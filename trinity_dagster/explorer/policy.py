@@ -34,4 +34,4 @@ def load_policy(paths: RunPaths, version: int) -> PreTrainedModel:
 def load_policy_dir(directory: Path) -> PreTrainedModel:
     """The model saved in HF directory `directory` in fp32 on the CPU, in eval mode."""
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
-    return model.to("cpu").eval()
+    return model.cpu().eval()

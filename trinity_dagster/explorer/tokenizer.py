@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import cast
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -75,3 +76,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, where: str) -
 def encode_response(tokenizer: PreTrainedTokenizerBase, text: str, where: str) -> list[int]:
     """Response token ids: the text's tokens and `<eos>`; unknown characters raise."""
     return [*_ids(tokenizer, text, where), tokenizer.eos_token_id]
+
+
+def decode_response(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> str:
+    """The text of one token sequence, special tokens kept (what reward functions score)."""
+    # One sequence decodes to one str; transformers types `decode` for batches too.
+    return cast(str, tokenizer.decode(token_ids, skip_special_tokens=False))

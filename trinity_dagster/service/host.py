@@ -82,12 +82,12 @@ class EngineHost:
     # --- command loop interface -------------------------------------------------------
     def broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]:
         """Rank 0's command, delivered to every rank."""
-        if self.world_size == 1:
-            assert command is not None
-            return command
         box = [command]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        received = box[0]
+        assert received is not None, "rank 0 must broadcast a command"
+        return received
 
     def has_pending_saves(self) -> bool:
         """Whether background saves wait to be finalized."""

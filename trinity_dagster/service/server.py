@@ -173,7 +173,7 @@ def build_app(
     app.add_middleware(
         AuthenticationMiddleware, backend=BearerToken(token), on_error=_refuse_unauthenticated
     )
-    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.exception_handler(RequestValidationError)(_invalid_request)
 
     @app.exception_handler(CommandError)
     def command_error(_: Request, err: CommandError) -> JSONResponse:
@@ -213,7 +213,6 @@ class ControlServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
         )

@@ -206,6 +206,7 @@ class Trainer:
                 result = pin_batch(self.config, step)
                 if isinstance(result, PinResult):
                     return result
+                shortfall = result
             ended = end_of_data(self.paths)
             if ended is not None:
                 result = pin_batch(self.config, step)  # data written just before the end
@@ -216,7 +217,7 @@ class Trainer:
             if waited > self.config.buffer.read_timeout_s:
                 raise StopAsyncIteration(
                     f"no new experience for {waited:.0f} s (buffer.read_timeout_s); "
-                    f"{result.message}"
+                    f"{shortfall.message}"
                 )
             await self._serve_sync()  # explorers waiting for weights go on
             await asyncio.sleep(POLL_S)
