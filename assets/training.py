@@ -39,7 +39,7 @@ CHECKS = ("loss_is_finite", "kl_within_bound")
 
 def batch_metadata(run_config: RunConfigResource, step: int, pinned: PinResult) -> dict[str, Any]:
     """Size, reward statistics, source table version and staleness of step N's batch."""
-    table = load_step_batch(run_config.config, step)
+    table = pinned.rows if pinned.rows is not None else load_step_batch(run_config.config, step)
     rewards = table.column("reward")
     versions = table.column("model_version")
     current = latest_weights_version(run_config.paths) or 0

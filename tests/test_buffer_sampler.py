@@ -69,6 +69,9 @@ def test_repin_is_idempotent_and_order_is_enforced(tmp_path):
     assert first.newly_pinned and not again.newly_pinned
     assert again.eids == first.eids and again.state == first.state
     assert again.source_version == first.source_version
+    # the pinning call hands back the rows it pinned, as a read of the batch gives them
+    assert first.rows is not None and again.rows is None
+    assert first.rows.equals(load_step_batch(config, 1))
     with pytest.raises(PinOrderError, match="cannot pin step 3: step 2 is not pinned"):
         pin_batch(config, 3)
     with pytest.raises(ValueError, match="step must be >= 1"):

@@ -10,7 +10,7 @@ gets `CommitFailedError`, re-reads and returns the winner's rows. Replaying a st
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -61,7 +61,11 @@ class PinShortfall:
 
 @dataclass(frozen=True)
 class PinResult:
-    """The rows pinned to `step`: eids in batch order, what was read, dropped, and the state."""
+    """The rows pinned to `step`: eids in batch order, what was read, dropped, and the state.
+
+    `rows` holds the pinned train rows (experience schema, batch order) when this call pinned
+    them, so a caller can describe the batch without reading it back; None otherwise.
+    """
 
     step: int
     eids: list[str]
@@ -70,6 +74,7 @@ class PinResult:
     state: SamplerState
     dropped: list[str]
     already_pinned: bool
+    rows: pa.Table | None = field(default=None, repr=False, compare=False)
 
     @property
     def newly_pinned(self) -> bool:
@@ -246,6 +251,7 @@ def pin_batch(
             state=new_state,
             dropped=dropped,
             already_pinned=False,
+            rows=rows.slice(0, len(selection.train)).select(list(EXPERIENCE_NAMES)),
         )
         stale = [
             QuarantineRecord(eid, "model_version", reason, row_to_json(row))
