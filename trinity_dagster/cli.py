@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("trinity_dagster.commands.config_cmd", "show the resolved configuration"),
     "bench": ("trinity_dagster.commands.bench_cmd", "run a benchmark from benchmarks/"),
     "convert": ("trinity_dagster.commands.convert_cmd", "turn a full checkpoint into an HF dir"),
-    "engine": ("trinity_dagster.commands.engine_cmd", "start, inspect or stop the engine service"),
+    "engine": (
+        "trinity_dagster.commands.engine_cmd",
+        "start, inspect, stop or join the engine service; print launch recipes",
+    ),
 }
 
 

@@ -12,9 +12,12 @@ import ipaddress
 import json
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
 
 DEFAULT_RUN_ROOT = "runs/demo"
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
@@ -272,7 +275,7 @@ class ExplorerConfig(_Section):
 
 
 class ServiceConfig(_Section):
-    """The persistent trainer engine service and its control API."""
+    """The persistent trainer engine service, its control API and its launch on N nodes."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
@@ -280,6 +283,63 @@ class ServiceConfig(_Section):
     idle_timeout_s: float = Field(default=1800.0, gt=0)
     start_timeout_s: float = Field(default=300.0, gt=0)
     request_timeout_s: float = Field(default=1800.0, gt=0)
+    nnodes: int = Field(default=1, ge=1, description="Machines the engine service runs on.")
+    nproc_per_node: int | None = Field(
+        default=None, ge=1, description="Ranks on each node; None: the world size / nnodes."
+    )
+    node_rank: int | None = Field(
+        default=None,
+        ge=0,
+        description="This node's index (0..nnodes-1); node 0 hosts the rendezvous store. The "
+        "c10d rendezvous assigns the process ranks, so rank 0 may land on any node. None: the "
+        "node that the endpoint names hosts it.",
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None, description="host:port of the c10d rendezvous; required when nnodes > 1."
+    )
+
+    @model_validator(mode="after")
+    def _check_rendezvous(self) -> ServiceConfig:
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise _at(
+                "service.node_rank",
+                f"{self.node_rank} is not below service.nnodes ({self.nnodes})",
+            )
+        if self.rdzv_endpoint is None:
+            if self.nnodes > 1:
+                raise _at(
+                    "service.rdzv_endpoint",
+                    f"required when service.nnodes > 1 ({self.nnodes}): host:port of the node "
+                    "that hosts the rendezvous",
+                )
+            return self
+        host, _ = self.rdzv_address
+        if not (is_loopback_host(host) or self.allow_non_loopback):
+            raise _at(
+                "service.rdzv_endpoint",
+                f"{host!r} is not a loopback address; set service.allow_non_loopback: true to "
+                "let the rendezvous listen beyond this machine",
+            )
+        return self
+
+    @property
+    def rdzv_address(self) -> tuple[str, int]:
+        """(host, port) of `rdzv_endpoint`."""
+        where = urlsplit(f"//{self.rdzv_endpoint}")
+        try:
+            port = where.port
+        except ValueError:
+            port = None
+        if not where.hostname or not port:
+            raise _at(
+                "service.rdzv_endpoint",
+                f"{self.rdzv_endpoint!r} is not host:port with a port in 1..65535",
+            )
+        return where.hostname, port
+
+    def procs_per_node(self, world_size: int) -> int:
+        """Ranks each node starts for an engine of `world_size` ranks."""
+        return self.nproc_per_node or world_size // self.nnodes
 
 
 class DagsterConfig(_Section):
@@ -412,6 +472,9 @@ class TrinityConfig(_Section):
                 f"({_UNIMPLEMENTED_SYNC_METHODS[self.synchronizer.sync_method]}); "
                 "use 'checkpoint'",
             )
+        if self.synchronizer.sync_method == "memory":
+            self._check_memory_sync()
+        self._check_service_layout()
         if not (is_loopback_host(self.service.host) or self.service.allow_non_loopback):
             raise _at(
                 "service.host",
@@ -419,6 +482,46 @@ class TrinityConfig(_Section):
                 "service.allow_non_loopback: true to expose the control API",
             )
         return self
+
+    def _check_memory_sync(self) -> None:
+        """Weights in shared memory reach only explorers on rank 0's machine, under Linux."""
+        if self.service.nnodes > 1:
+            raise _at(
+                "synchronizer.sync_method",
+                f"'memory' needs the explorer on the machine of engine rank 0, but with "
+                f"service.nnodes {self.service.nnodes} rank 0 may land on any node; "
+                "use 'checkpoint' to reach explorers on other machines",
+            )
+        if not SHM_ROOT.is_dir():
+            raise _at(
+                "synchronizer.sync_method",
+                f"'memory' passes weights through {SHM_ROOT}, which this machine lacks "
+                "(Linux only); use 'checkpoint'",
+            )
+
+    def _check_service_layout(self) -> None:
+        """The service's nodes x ranks per node must be the engine's world size."""
+        service, megatron = self.service, self.megatron
+        world = megatron.world_size
+        if service.nnodes * service.procs_per_node(world) == world:
+            return
+        world_text = (
+            f"the world size megatron.tensor_model_parallel_size "
+            f"({megatron.tensor_model_parallel_size}) * pipeline_model_parallel_size "
+            f"({megatron.pipeline_model_parallel_size}) * data_parallel_size "
+            f"({megatron.data_parallel_size}) = {world}"
+        )
+        if service.nproc_per_node is None:
+            raise _at(
+                "service.nnodes",
+                f"{service.nnodes} nodes cannot share {world_text} evenly",
+            )
+        raise _at(
+            "service.nproc_per_node",
+            f"service.nnodes ({service.nnodes}) * service.nproc_per_node "
+            f"({service.nproc_per_node}) = {service.nnodes * service.nproc_per_node} does not "
+            f"equal {world_text}",
+        )
 
     def resolved_hash(self) -> str:
         """A stable hash of the configuration that training results depend on."""
@@ -432,7 +535,6 @@ class TrinityConfig(_Section):
 
 
 _UNIMPLEMENTED_SYNC_METHODS = {
-    "memory": "weights through shared memory need a persistent explorer beside rank 0",
     "nccl": "collective weight transfer needs the GPU path",
 }
 

@@ -4,6 +4,11 @@ The service runs under torchrun with the configuration's world size, detached in
 process group, logging to `logs/engine.log`. One run root has at most one service: starts
 are serialised with a lock file, and a state file naming a dead or silent process is stale
 and replaced.
+
+On N nodes (`service.nnodes`), `start_service` starts this machine's agent and waits until
+the other nodes have joined (`join_service`, `trinity-dagster engine join`) and rank 0,
+on whichever node the rendezvous put it, has published the state file. A state file of a
+rank 0 on another machine is judged by whether it answers: its pids mean nothing here.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trinity_dagster.config import TrinityConfig
+import psutil
+
+from trinity_dagster.config import ConfigError, TrinityConfig
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient, EngineError, EngineUnreachable
 from trinity_dagster.service.processes import (
@@ -75,10 +82,10 @@ def find_service(paths: RunPaths) -> ServiceState | SilentService | None:
     state = read_state(paths)
     if state is None:
         return None
-    if not (pid_alive(state.pid) and runs_rank(state.pid)):
+    if state.is_local and not (pid_alive(state.pid) and runs_rank(state.pid)):
         clear_state(paths, state.pid)
         return None
-    stopped = frozen(service_processes(state))
+    stopped = frozen(_local_processes(state))
     if stopped:
         return SilentService(state, f"its processes are stopped: {', '.join(stopped)}")
     token = read_token(paths)  # a bad token file is the caller's problem, not the service's
@@ -86,13 +93,19 @@ def find_service(paths: RunPaths) -> ServiceState | SilentService | None:
         with EngineClient(state.url, token, timeout_s=SILENT_AFTER_S) as client:
             client.status()
     except (EngineUnreachable, EngineError, OSError) as err:
-        return SilentService(state, f"rank 0 (pid {state.pid}) does not answer: {err}")
+        where = "" if state.is_local else f" on {state.node}"
+        return SilentService(state, f"rank 0 (pid {state.pid}{where}) does not answer: {err}")
     return state
 
 
+def _local_processes(state: ServiceState) -> list[psutil.Process]:
+    """The service's processes on this machine (none when rank 0 runs on another one)."""
+    return service_processes(state) if state.is_local else []
+
+
 def replace_silent(paths: RunPaths, silent: SilentService) -> list[int]:
-    """SIGKILL a silent service's processes and clear its state file; the pids killed."""
-    killed = end_processes(service_processes(silent.state), grace_s=0)
+    """SIGKILL a silent service's processes here and clear its state file; the pids killed."""
+    killed = end_processes(_local_processes(silent.state), grace_s=0)
     clear_state(paths, silent.state.pid)
     return killed
 
@@ -123,19 +136,65 @@ def _start_lock(paths: RunPaths) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def launch_command(config_file: Path, world_size: int) -> list[str]:
-    """The command line of the service: torchrun, rendezvous on loopback (see `agent.py`)."""
+def rendezvous_id(config: TrinityConfig) -> str:
+    """The c10d rendezvous id: the same on every node started with this configuration."""
+    return f"trinity-dagster-{config.resolved_hash()}"
+
+
+def torchrun_options(config: TrinityConfig, node_rank: int | None = None) -> list[str]:
+    """torchrun's options for one node, or for one of N nodes meeting through c10d.
+
+    `node_rank` 0 hosts the rendezvous store, another only connects to it; None leaves that
+    to torchrun (the node that the endpoint names hosts it).
+    """
+    service = config.service
+    world_size = config.megatron.world_size
+    if service.nnodes == 1:
+        return [f"--nproc_per_node={world_size}", "--nnodes=1"]
+    options = [
+        f"--nnodes={service.nnodes}",
+        f"--nproc-per-node={service.procs_per_node(world_size)}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={service.rdzv_endpoint}",
+        f"--rdzv-id={rendezvous_id(config)}",
+    ]
+    if node_rank is not None:
+        options.append(f"--rdzv-conf=is_host={str(node_rank == 0).lower()}")
+    return options
+
+
+def launch_command(
+    config_file: Path, config: TrinityConfig, node_rank: int | None = None
+) -> list[str]:
+    """The command line of this node's agent (see `agent.py`) and its ranks."""
     return [
         sys.executable,
         "-m",
         AGENT_MODULE,
-        f"--nproc_per_node={world_size}",
-        "--nnodes=1",
+        *torchrun_options(config, node_rank),
         "-m",
         RANK_MODULE,
         "-c",
         str(config_file),
     ]
+
+
+def join_service(config: TrinityConfig, config_file: Path, node_rank: int | None) -> int:
+    """Run this node's agent of an N-node service in the foreground; its exit status.
+
+    `node_rank` None: the configuration's `service.node_rank`.
+    """
+    service = config.service
+    if service.nnodes == 1:
+        raise ConfigError(
+            f"service.nnodes is 1 in {config_file}: a one-node service starts with "
+            "`trinity-dagster engine start`; joining needs service.nnodes > 1"
+        )
+    rank = service.node_rank if node_rank is None else node_rank
+    if rank is not None and not 0 <= rank < service.nnodes:
+        raise ConfigError(f"node rank {rank} is outside 0..{service.nnodes - 1} (service.nnodes)")
+    command = launch_command(config_file.resolve(), config, rank)
+    return subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
 
 
 def start_service(config: TrinityConfig) -> ServiceState:
@@ -153,7 +212,7 @@ def start_service(config: TrinityConfig) -> ServiceState:
         offset = log.stat().st_size if log.exists() else 0
         with open(log, "ab") as log_handle:
             process = subprocess.Popen(
-                launch_command(config_file, config.megatron.world_size),
+                launch_command(config_file, config, config.service.node_rank),
                 stdin=subprocess.DEVNULL,
                 stdout=log_handle,
                 stderr=subprocess.STDOUT,
@@ -162,12 +221,22 @@ def start_service(config: TrinityConfig) -> ServiceState:
             )
         # reap the agent when it exits, so this process never keeps a zombie around
         threading.Thread(target=process.wait, daemon=True).start()
-        return _wait_until_up(paths, process, config.service.start_timeout_s, log, offset)
+        return _wait_until_up(paths, process, config, log, offset)
+
+
+def _started_by(state: ServiceState, process: subprocess.Popen, nnodes: int) -> bool:
+    """Whether `state` is of the service that `process` started.
+
+    On N nodes rank 0 may run under another node's agent; no state file existed when this
+    one started (the start lock is held), so the first one published is this service's.
+    """
+    return nnodes > 1 or state.launcher_pid == process.pid
 
 
 def _wait_until_up(
-    paths: RunPaths, process: subprocess.Popen, timeout_s: float, log: Path, offset: int
+    paths: RunPaths, process: subprocess.Popen, config: TrinityConfig, log: Path, offset: int
 ) -> ServiceState:
+    timeout_s = config.service.start_timeout_s
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -176,13 +245,24 @@ def _wait_until_up(
                 f"end of {log}:\n{_log_tail(log, offset)}"
             )
         state = read_state(paths)
-        if state is not None and state.launcher_pid == process.pid:
+        if state is not None and _started_by(state, process, config.service.nnodes):
             return state
         time.sleep(0.2)
     end_processes(process_tree(process.pid), grace_s=STOP_GRACE_S)
     raise ServiceStartError(
-        f"engine service did not answer within {timeout_s:.0f} s; end of {log}:\n"
-        f"{_log_tail(log, offset)}"
+        f"engine service did not answer within {timeout_s:.0f} s{_waiting_for(config)}; "
+        f"end of {log}:\n{_log_tail(log, offset)}"
+    )
+
+
+def _waiting_for(config: TrinityConfig) -> str:
+    """What an N-node start waits for, for its timeout message ('' on one node)."""
+    service = config.service
+    if service.nnodes == 1:
+        return ""
+    return (
+        f" (it waits for all {service.nnodes} nodes at {service.rdzv_endpoint}: run "
+        "`trinity-dagster engine join -c CONFIG --node-rank K` on each other node)"
     )
 
 
@@ -225,7 +305,7 @@ def stop_service(paths: RunPaths, timeout_s: float = 120.0) -> bool:
     if isinstance(found, ServiceState):
         _shut_down(found, paths, timeout_s)
     grace_s = 0 if isinstance(found, SilentService) else STOP_GRACE_S
-    end_processes(service_processes(state), grace_s=grace_s)
+    end_processes(_local_processes(state), grace_s=grace_s)
     clear_state(paths, state.pid)
     return True
 
@@ -238,5 +318,13 @@ def _shut_down(state: ServiceState, paths: RunPaths, timeout_s: float) -> None:
     except (EngineUnreachable, EngineError, OSError):
         pass
     deadline = time.monotonic() + timeout_s
-    while pid_alive(state.pid) and time.monotonic() < deadline:
+    while _rank0_runs(state, paths) and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def _rank0_runs(state: ServiceState, paths: RunPaths) -> bool:
+    """Whether rank 0 or its agent still runs (here: by pid, so that a clean shutdown lets
+    the agent exit by itself; on another machine: while rank 0's state file is there)."""
+    if state.is_local:
+        return pid_alive(state.pid) or pid_alive(state.launcher_pid)
+    return read_state(paths) == state  # rank 0 removes its state file as it exits

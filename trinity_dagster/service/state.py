@@ -1,7 +1,8 @@
 """The engine service's files under the run root: the access token and the state file.
 
 service/token        random secret, mode 0600; every control call must carry it
-service/state.json   pids, process groups, host, port, world size, config hash of the service
+service/state.json   pids, process groups, machine, host, port, world size, config hash of
+                     the service (written by rank 0, on whichever node it runs)
 service/config.yaml  the resolved configuration the service was started with
 """
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import stat
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trinity_dagster.files import PRIVATE_MODE, write_text_atomic
@@ -80,6 +82,12 @@ class ServiceState:
     world_size: int
     config_hash: str
     log_file: str
+    node: str = field(default_factory=socket.gethostname)  # the machine rank 0 runs on
+
+    @property
+    def is_local(self) -> bool:
+        """Whether rank 0 runs on this machine, so that its pids mean something here."""
+        return self.node == socket.gethostname()
 
     @property
     def url(self) -> str:
