@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trinity_dagster.checkpoint.layout import latest_weights_version
+from trinity_dagster.checkpoint.shm_weights import read_shm_weights, shm_versions
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.generation import Generation, SamplingParams, generate
-from trinity_dagster.explorer.policy import load_policy, resolve_version
+from trinity_dagster.explorer.policy import copy_weights_into, load_policy, resolve_version
 from trinity_dagster.explorer.rewards import get_reward_fn
 from trinity_dagster.explorer.tasks import Task, TaskSet, load_taskset
 from trinity_dagster.explorer.tokenizer import decode_response, encode_prompt, load_tokenizer
@@ -70,12 +72,26 @@ class Explorer:
         self.loaded_version: int | None = None
 
     def policy(self, version: int) -> PreTrainedModel:
-        """The model of weights `version`, loaded only if another version is loaded now."""
+        """The model of weights `version`, loaded only if another version is loaded now.
+
+        Under `synchronizer.sync_method: memory` a version held in shared memory is copied
+        into the loaded model in place; any other version is loaded from its HF directory.
+        """
         if self._model is None or self.loaded_version != version:
-            self._model = None
-            self._model = load_policy(self.paths, version)
+            self._model = self._load(version)
             self.loaded_version = version
         return self._model
+
+    def _load(self, version: int) -> PreTrainedModel:
+        """The model with weights `version`: the loaded one updated from shared memory, or
+        a fresh one from the version's HF directory."""
+        memory = self.config.synchronizer.sync_method == "memory"
+        if memory and version in shm_versions(self.paths):
+            model = self._model or load_policy(self.paths, latest_weights_version(self.paths) or 0)
+            copy_weights_into(model, read_shm_weights(self.paths, version))
+            return model
+        self._model = None  # free the old model before loading the next
+        return load_policy(self.paths, version)
 
     def sample_tasks(self, step: int) -> list[Task]:
         """The tasks of explore step `step` (a function of `explorer.seed` and `step`).

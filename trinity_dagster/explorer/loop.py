@@ -22,8 +22,8 @@ from typing import Any
 
 from trinity_dagster.buffer.end_of_data import mark_end_of_data
 from trinity_dagster.buffer.writer import ExperienceWriter
-from trinity_dagster.checkpoint.layout import latest_weights_version
 from trinity_dagster.checkpoint.rules import explore_steps_needed, explorer_weights_version
+from trinity_dagster.checkpoint.shm_weights import newest_weights_version
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.explorer import Explorer
@@ -87,7 +87,7 @@ class ExplorerLoop:
         config = self.config
         demonstrations = step <= config.trainer.sft_warmup_steps
         if demonstrations:
-            version = latest_weights_version(self.paths) or 0
+            version = self._latest_version()
             rows = demonstration_rows(
                 config, config.buffer.train_batch_size, seed=step, model_version=version
             )
@@ -133,10 +133,18 @@ class ExplorerLoop:
             needed = explorer_weights_version(
                 step, sync_interval=sync.sync_interval, sync_offset=sync.sync_offset
             )
-        return self._wait(
-            lambda: (latest_weights_version(self.paths) or 0) >= needed,
-            f"explore step {step} needs weights version >= {needed}",
-        ) or (latest_weights_version(self.paths) or 0)
+        return (
+            self._wait(
+                lambda: self._latest_version() >= needed,
+                f"explore step {step} needs weights version >= {needed}",
+            )
+            or self._latest_version()
+        )
+
+    def _latest_version(self) -> int:
+        """The newest weights version this explorer can load (0 if none is published yet)."""
+        memory = self.config.synchronizer.sync_method == "memory"
+        return newest_weights_version(self.paths, memory=memory) or 0
 
     def _request_sync(self, have_version: int) -> str | None:
         """Ask the trainer for newer weights and wait for the answer (explorer-driven)."""

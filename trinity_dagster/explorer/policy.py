@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -35,3 +36,16 @@ def load_policy_dir(directory: Path) -> PreTrainedModel:
     """The model saved in HF directory `directory` in fp32 on the CPU, in eval mode."""
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     return model.cpu().eval()
+
+
+def copy_weights_into(model: PreTrainedModel, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy HF-named `tensors` into `model` in place; every weight must be given (or tied)."""
+    result = model.load_state_dict(dict(tensors), strict=False)
+    own = model.state_dict()
+    given = {own[name].data_ptr() for name in tensors if name in own}
+    untied = [name for name in result.missing_keys if own[name].data_ptr() not in given]
+    if untied or result.unexpected_keys:
+        raise ValueError(
+            f"weights do not match the explorer's model: missing {untied or 'none'}, "
+            f"unknown {result.unexpected_keys or 'none'}"
+        )

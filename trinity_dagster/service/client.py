@@ -100,6 +100,10 @@ class EngineClient:
         """Make sure the weights of step N are published to explorers."""
         return self._call("POST", "/sync_weight", {"step": step})
 
+    def upload_weights(self, step: int) -> dict[str, Any]:
+        """Make sure the weights of step N are in shared memory for local explorers."""
+        return self._call("POST", "/upload_weights", {"step": step})
+
     def shutdown(self) -> dict[str, Any]:
         """Ask the service to finish pending saves and exit."""
         return self._call("POST", "/shutdown")

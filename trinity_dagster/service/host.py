@@ -39,6 +39,13 @@ from trinity_dagster.checkpoint.publish import (
     publish_weights,
     record_sync_from_checkpoint,
 )
+from trinity_dagster.checkpoint.shm_weights import (
+    newest_weights_version,
+    region_path,
+    remove_shm_dir,
+    shm_versions,
+    write_shm_weights,
+)
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import TrainEngine
@@ -70,7 +77,7 @@ class EngineHost:
         self.checkpoints = CheckpointManager(config, paths, self.engine)
         self.resumed_from = self.checkpoints.resume()
         self.save_error: str | None = None
-        version = latest_weights_version(paths)
+        version = newest_weights_version(paths, memory=self._memory_sync())
         self.last_sync_step = 0 if version is None else version
         self._status: dict[str, Any] = {}
         self._refresh_status()
@@ -111,11 +118,13 @@ class EngineHost:
         return dict(self._status)
 
     def close(self) -> None:
-        """Wait for pending saves, then release the engine."""
+        """Wait for pending saves, then release the engine and the shared-memory weights."""
         try:
             self.checkpoints.wait_all()
         finally:
             self.engine.close()
+            if self.rank == 0 and self._memory_sync():
+                remove_shm_dir(self.paths)
 
     def execute(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run one command; rank 0's return value is the reply."""
@@ -123,6 +132,7 @@ class EngineHost:
             "train_step": self.train_step,
             "save_checkpoint": self.save_checkpoint,
             "sync_weight": self.sync_weight,
+            "upload_weights": self.upload_weights,
         }
         if op not in handlers:
             raise BadRequestError(f"unknown command {op!r}; known: {', '.join(handlers)}")
@@ -192,13 +202,20 @@ class EngineHost:
         return self._checkpoint_info(step, pending=not block)
 
     def sync_weight(self, step: int) -> dict[str, Any]:
-        """Make sure weights version N are published (written now if the engine is at N)."""
+        """Make sure weights version N are published (written now if the engine is at N).
+
+        A complete checkpoint of N with an HF export serves as the published version.
+        """
         if self.checkpoints.is_pending(step):  # a save that serves as this sync is finishing
             return {"version": step, "pending": True}
         try:
-            return self._weights_info(step)
+            info = self._weights_info(step)
         except FileNotFoundError:
             pass
+        else:
+            if (latest_weights_version(self.paths) or 0) < step:  # a checkpoint's export
+                self._record_sync_from_checkpoint(step)
+            return info
         self._refuse_withheld(step)
         if self.engine.step != step:
             raise StepConflictError(
@@ -207,6 +224,25 @@ class EngineHost:
             )
         self._publish(step)
         return self._weights_info(step)
+
+    def upload_weights(self, step: int) -> dict[str, Any]:
+        """Make sure weights version N are in shared memory (sync_method `memory`), written
+        now if the engine is at N."""
+        if step in shm_versions(self.paths):
+            return self._shm_info(step)
+        self._refuse_withheld(step)
+        if self.engine.step != step:
+            raise StepConflictError(
+                f"weights of step {step} are not in shared memory and the engine is at step "
+                f"{self.engine.step}; they can only be uploaded right after training step {step}"
+            )
+        tensors = self.engine.hf_state_dict()
+        if self.rank == 0:
+            write_shm_weights(self.paths, step, tensors)
+        self.last_sync_step = step
+        if self.world_size > 1:
+            dist.barrier()
+        return self._shm_info(step)
 
     # --- internals --------------------------------------------------------------------
     def _refuse_withheld(self, step: int) -> None:
@@ -290,6 +326,14 @@ class EngineHost:
             "path": str(path),
             "size_bytes": sum(p.stat().st_size for p in path.iterdir() if p.is_file()),
         }
+
+    def _shm_info(self, step: int) -> dict[str, Any]:
+        path = region_path(self.paths, step)
+        size = path.stat().st_size if self.rank == 0 else 0
+        return {"version": step, "pending": False, "path": str(path), "size_bytes": size}
+
+    def _memory_sync(self) -> bool:
+        return self.config.synchronizer.sync_method == "memory"
 
     def _refresh_status(self) -> None:
         self._status = {

@@ -198,6 +198,10 @@ def build_app(
     def sync_weight(req: SyncWeightRequest) -> dict[str, Any]:
         return run("sync_weight", req.model_dump())
 
+    @app.post("/upload_weights")
+    def upload_weights(req: SyncWeightRequest) -> dict[str, Any]:
+        return run("upload_weights", req.model_dump())
+
     @app.post("/shutdown")
     def shutdown() -> dict[str, Any]:
         return run(SHUTDOWN, {})

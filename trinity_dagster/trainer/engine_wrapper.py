@@ -134,7 +134,10 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         raise NotImplementedError("sync_method 'nccl' is not implemented yet (GPU path)")
 
     def upload_state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError("sync_method 'memory' is not implemented yet")
+        step = self._step
+        info = self._call(lambda c: c.upload_weights(step))
+        self._last_sync_step = step
+        return info
 
     def wait_for_checkpoint(self, step: int, *, hf: bool) -> dict[str, Any]:
         """Make sure a complete checkpoint of `step` exists, polling one saved in the background."""

@@ -133,6 +133,7 @@ class Trainer:
                 self.save_checkpoint(
                     block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never"
                 )
+                self._publish_final_weights()
                 self._log_final_model()
                 answer_requests(self._requests())  # no newer weights will come
                 write_trainer_state(self.paths, "finished", self.train_step_num, reason)
@@ -295,6 +296,14 @@ class Trainer:
         except Exception:
             return False
         return True
+
+    def _publish_final_weights(self) -> None:
+        """Under sync_method `memory`, also publish the last synced weights on disk if they
+        are the final step's: shared memory goes with the engine service, and evaluations and
+        later explorers read the files."""
+        memory = self.config.synchronizer.sync_method == "memory"
+        if memory and self.train_step_num > 0 and self.last_sync_step == self.train_step_num:
+            self.engine.save_state_dict()
 
     def _log_final_model(self) -> None:
         if self.train_step_num > 0 and self.save_hf_checkpoint != "never":
