@@ -4,7 +4,8 @@ The baseline is transformers' LlamaForCausalLM (default attention) with torch Ad
 same loss math (GRPO advantages, PPO-clip, token-mean, entropy as a metric, grad clipping),
 on the same random model, sizes and batches. Both run in this process, alternating step by
 step after warm-up; each side's fastest measured step counts (the machine is shared). The
-last line printed is one JSON object with the figures.
+last line printed is one JSON object with the figures: the benchmark size, and under `small`
+(ratio also as `small_ratio`) the demo model at batch 64, micro-batch 8.
 """
 
 from __future__ import annotations
@@ -79,56 +80,58 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=1408)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
+# The demo model (trinity_dagster.config defaults: hidden 128, 2 layers, 4 heads / 2 KV groups,
+# ffn 352, prompt 24 + response 8 tokens, the demo tokenizer's 81 ids), batch 64, micro 8.
+SMALL_CASE = {
+    "hidden": 128,
+    "ffn": 352,
+    "layers": 2,
+    "heads": 4,
+    "vocab": 81,
+    "seq": 32,
+    "batch": 64,
+    "micro_batch": 8,
+}
+
+
+def run_case(tmp: Path, args: argparse.Namespace) -> dict:
+    """Engine and plain loop on one model size, alternating steps; each side's fastest step."""
     tokens_per_step = args.batch * args.seq
     engine_times: list[float] = []
     torch_times: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        hf_dir = Path(tmp) / "hf"
-        make_llama_dir(
-            hf_dir,
-            vocab=args.vocab,
-            hidden=args.hidden,
-            ffn=args.ffn,
-            layers=args.layers,
-            heads=args.heads,
-            seq=args.seq,
-        )
-        from transformers import LlamaForCausalLM
+    hf_dir = tmp / "hf"
+    make_llama_dir(
+        hf_dir,
+        vocab=args.vocab,
+        hidden=args.hidden,
+        ffn=args.ffn,
+        layers=args.layers,
+        heads=args.heads,
+        seq=args.seq,
+    )
+    from transformers import LlamaForCausalLM
 
-        model = LlamaForCausalLM.from_pretrained(hf_dir).float().train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-        engine = build_engine(hf_dir, args)
-        try:
-            # Alternate the two so that load from other processes hits both alike.
-            for step in range(1, args.warmup + args.steps + 1):
-                batch = grpo_batch(
-                    torch.Generator().manual_seed(step),
-                    rows=args.batch,
-                    seq=args.seq,
-                    vocab=args.vocab,
-                )
-                engine_s = timed(lambda b=batch, n=step: engine.train_step(n, b))
-                torch_s = timed(lambda b=batch: torch_step(model, optimizer, b, args.micro_batch))
-                if step > args.warmup:
-                    engine_times.append(engine_s)
-                    torch_times.append(torch_s)
-        finally:
-            engine.close()
+    model = LlamaForCausalLM.from_pretrained(hf_dir).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    engine = build_engine(hf_dir, args)
+    try:
+        # Alternate the two so that load from other processes hits both alike.
+        for step in range(1, args.warmup + args.steps + 1):
+            batch = grpo_batch(
+                torch.Generator().manual_seed(step),
+                rows=args.batch,
+                seq=args.seq,
+                vocab=args.vocab,
+            )
+            engine_s = timed(lambda b=batch, n=step: engine.train_step(n, b))
+            torch_s = timed(lambda b=batch: torch_step(model, optimizer, b, args.micro_batch))
+            if step > args.warmup:
+                engine_times.append(engine_s)
+                torch_times.append(torch_s)
+    finally:
+        engine.close()
     engine_s, torch_s = min(engine_times), min(torch_times)
-    result = {
+    return {
         "engine_tokens_per_s": round(tokens_per_step / engine_s, 1),
         "torch_tokens_per_s": round(tokens_per_step / torch_s, 1),
         "ratio": round(torch_s / engine_s, 3),
@@ -143,8 +146,34 @@ def main() -> None:
         "measured_steps": args.steps,
         "engine_step_s_all": [round(t, 3) for t in engine_times],
         "torch_step_s_all": [round(t, 3) for t in torch_times],
-        "threads": torch.get_num_threads(),
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=1408)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--small-steps", type=int, default=10, help="measured steps, small case")
+    args = parser.parse_args()
+    small_args = argparse.Namespace(
+        **{**vars(args), **SMALL_CASE, "warmup": 2, "steps": args.small_steps}
+    )
+    # Megatron's parallel state is global per process: one engine at a time, closed in between.
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        result = run_case(Path(tmp), args)
+    with tempfile.TemporaryDirectory(prefix="bench-engine-small-") as tmp:
+        small = run_case(Path(tmp), small_args)
+    result["small"] = small
+    result["small_ratio"] = small["ratio"]
+    result["threads"] = torch.get_num_threads()
     print(json.dumps(result))
 
 
