@@ -15,6 +15,7 @@ it marks the end of data, so a trainer waiting for more stops cleanly.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Collection
 from statistics import fmean
@@ -36,6 +37,14 @@ from trinity_dagster.trainer.sync_requests import is_answered, request_sync
 # the hand-off from the trainer within a few ms (bench daemon)
 POLL_S = 0.005
 ALREADY_IN_TABLE = "already in the experiences table"
+
+
+def step_timings(marks: list[float]) -> dict[str, float]:
+    """Seconds of an explore step's parts from its time marks: waiting for weights (absent
+    for demonstrations), loading them and generating (`time/generate`), writing experiences."""
+    names = ("time/wait_weights", "time/generate", "time/write_experiences")
+    parts = [b - a for a, b in itertools.pairwise(marks)]
+    return dict(zip(names[-len(parts) :], parts, strict=True))
 
 
 class TrainerStoppedError(RuntimeError):
@@ -86,6 +95,7 @@ class ExplorerLoop:
         """Explore one step and report it; returns why the loop stops, or None to go on."""
         config = self.config
         demonstrations = step <= config.trainer.sft_warmup_steps
+        marks = [time.perf_counter()]
         if demonstrations:
             version = self._latest_version()
             rows = demonstration_rows(
@@ -96,10 +106,13 @@ class ExplorerLoop:
             if isinstance(waited, str):
                 return waited
             version = waited
+            marks.append(time.perf_counter())
             rows = self.explorer.explore(step, version)
+        marks.append(time.perf_counter())
         report = ExperienceWriter(config, known_versions=lambda: set(range(version + 1))).write(
             rows
         )
+        marks.append(time.perf_counter())
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
             raise ValueError(
                 f"explore step {step}: every experience was quarantined: "
@@ -115,6 +128,7 @@ class ExplorerLoop:
                 "already_written": report.written == 0,
                 "reward_mean": fmean(rewards),
                 "accuracy": fmean(1.0 if r >= 1.0 else 0.0 for r in rewards),
+                **step_timings(marks),
             },
         )
         if not demonstrations and self._asks_for_sync(step):

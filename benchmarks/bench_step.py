@@ -1,0 +1,186 @@
+"""The cost of one GRPO step of the demo config through the daemon, for each sync method.
+
+For each `synchronizer.sync_method` (`checkpoint`, then `memory`), in a fresh run root and a
+fresh Python process, `run_training` (what `trinity-dagster run` does) drives the demo model
+through the real daemon: `--sft-steps` SFT warm-up steps, then `--steps` GRPO steps (built-in
+explorer, engine service, weights synced every step). A step's wall time is the time between
+consecutive `train_step[N]` materialisations; medians are over the GRPO steps after the first
+(the warm-up steps are excluded). Figures per sync method:
+- `step_s`: median wall per step;
+- `compute_s` = `generate_s` (the explorer's `time/generate`: load the weights, generate)
+  + `train_compute_s` (the engine's `time/train_step`: forward/backward/optimizer);
+- `overhead_s` = `step_s` - `compute_s` (goal <= 0.25 s);
+- `parts`: medians of the attributable non-compute parts: `read_experience` (trainer pins the
+  batch), `engine_load_batch` (the engine reads it), `http_round_trip` (`train_step` call
+  minus engine load and compute), `sync_weight`, `wait_weights` (explorer waits for the
+  version), `write_experiences` (explorer's Delta append).
+Run from the repository root (the daemon loads `workspace.yaml` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from benchmarks.bench_daemon import _step_times, _train_metadata
+from trinity_dagster.config import load_config
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.service.records import read_record
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODULE = "benchmarks.bench_step"
+SYNC_METHODS = ("checkpoint", "memory")
+GOAL_OVERHEAD_S = 0.25
+
+
+def _median(values: list[float]) -> float | None:
+    return round(median(values), 4) if values else None
+
+
+def _rollout_metadata(instance: Any) -> dict[int, dict[str, Any]]:
+    import dagster as dg
+
+    from trinity_dagster.commands.training_run import metadata_values
+
+    records = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=10_000).records
+    found: dict[int, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: r.storage_id):
+        event = record.asset_materialization
+        if event is not None and event.partition:
+            found.setdefault(int(event.partition), metadata_values(event))
+    return found
+
+
+def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str, Any]:
+    """`run_training` with `method`; the step's wall time and its parts, as medians."""
+    from trinity_dagster.commands.training_run import run_training
+
+    total = sft_steps + steps
+    config = load_config(
+        None,
+        overrides={
+            "run_root": str(root),
+            "trainer.total_steps": total,
+            "trainer.sft_warmup_steps": sft_steps,
+            "trainer.save_interval": 0,
+            "synchronizer.sync_method": method,
+        },
+    )
+    paths = RunPaths.of(config.run_root)
+    try:
+        stdout, sys.stdout = sys.stdout, sys.stderr  # stdout ends with one JSON line
+        try:
+            run_training(config, REPO_ROOT / "workspace.yaml")
+        finally:
+            sys.stdout = stdout
+    finally:
+        stop_service(paths)
+    import dagster as dg
+
+    instance = dg.DagsterInstance.get()  # DAGSTER_HOME set by run_training
+    trained = _step_times(instance, "train_step")
+    assert sorted(trained) == list(range(1, total + 1)), f"trained steps {sorted(trained)}"
+    steady = list(range(sft_steps + 2, total + 1))  # GRPO steps with a GRPO step before them
+    walls = [
+        trained[b] - trained[a] for a, b in itertools.pairwise(range(sft_steps + 1, total + 1))
+    ]
+    meta = _train_metadata(instance)
+    rollouts = _rollout_metadata(instance)
+    metrics = [r["metrics"] for r in (read_record(paths, s) for s in steady) if r is not None]
+
+    def trainer(name: str) -> list[float]:
+        return [float(meta[s][name]) for s in steady if name in meta[s]]
+
+    def explorer(name: str) -> list[float]:
+        return [float(rollouts[s][name]) for s in steady if name in rollouts.get(s, {})]
+
+    train = [float(m["time/train_step"]) for m in metrics]
+    load = [float(m.get("time/load_batch", 0.0)) for m in metrics]
+    calls = trainer("time/train_step_call")
+    step_s, generate_s, train_s = median(walls), median(explorer("time/generate")), median(train)
+    compute_s = generate_s + train_s
+    return {
+        "sync_method": method,
+        "grpo_steps": steps,
+        "step_s": round(step_s, 4),
+        "compute_s": round(compute_s, 4),
+        "overhead_s": round(step_s - compute_s, 4),
+        "parts": {
+            "generate_s": round(generate_s, 4),
+            "train_compute_s": round(train_s, 4),
+            "read_experience_s": _median(trainer("time/read_experience")),
+            "engine_load_batch_s": _median(load),
+            "http_round_trip_s": _median(
+                [c - t - b for c, t, b in zip(calls, train, load, strict=False)]
+            ),
+            "sync_weight_s": _median(trainer("time/sync_weight")),
+            "trainer_step_s": _median(trainer("time/step")),
+            "wait_weights_s": _median(explorer("time/wait_weights")),
+            "write_experiences_s": _median(explorer("time/write_experiences")),
+        },
+        "step_walls_s": [round(w, 3) for w in walls],
+    }
+
+
+def main() -> None:
+    """Run each sync method in its own process; print the figures, the last line as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps per sync method")
+    parser.add_argument("--sft-steps", type=int, default=2, help="SFT warm-up steps (excluded)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per sync method")
+    parser.add_argument("--keep", type=Path, help="keep the run roots under this directory")
+    parser.add_argument("--method", choices=SYNC_METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be >= 3")
+    if args.method:
+        print(json.dumps(run_method(args.method, args.root, args.sft_steps, args.steps)))
+        return
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        base = args.keep or Path(tmp)
+        for method in SYNC_METHODS:
+            root = base / f"{method}-run"
+            command = [sys.executable, "-m", MODULE, "--method", method, "--root", str(root)]
+            command += ["--steps", str(args.steps), "--sft-steps", str(args.sft_steps)]
+            try:
+                done = subprocess.run(
+                    command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=args.timeout_s
+                )
+            except subprocess.TimeoutExpired as err:
+                stop_service(RunPaths.of(root))
+                raise SystemExit(f"{method} ran past {args.timeout_s:g} s") from err
+            if done.returncode != 0:
+                stop_service(RunPaths.of(root))
+                raise SystemExit(f"{method} failed:\n{done.stdout[-3000:]}{done.stderr[-5000:]}")
+            found = json.loads(done.stdout.strip().splitlines()[-1])
+            results[method] = found
+            print(
+                f"{method:10s} step {found['step_s']:.3f} s, compute {found['compute_s']:.3f} s, "
+                f"overhead {found['overhead_s']:.3f} s; parts {found['parts']}",
+                flush=True,
+            )
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "sft_steps": args.sft_steps,
+                "goal_overhead_s": GOAL_OVERHEAD_S,
+                "goal_met": all(r["overhead_s"] <= GOAL_OVERHEAD_S for r in results.values()),
+                **{method: results[method] for method in SYNC_METHODS},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
