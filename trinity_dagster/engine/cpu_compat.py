@@ -82,7 +82,8 @@ class _CudaToCpuMode(TorchFunctionMode):
     """Runs every torch call with CUDA devices replaced by the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        # Runs on every torch call of the process: the common case (no CUDA device) copies
+        # nothing.
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -90,8 +91,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             if name.startswith("torch.") and not name.startswith("torch.cuda."):
                 return "torch.cuda." + name.removeprefix("torch.")
             return name
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs["device"] = _CPU
+        if not kwargs:
+            kwargs = {}
+        elif "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to:
             args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)

@@ -120,7 +120,6 @@ def token_logprobs_and_entropy(
     entropy = vocab_parallel_entropy(scaled, grad=entropy_grad)
     logprobs = -vocab_parallel_cross_entropy(scaled.contiguous(), targets)
     return _shift(logprobs[:, :-1]), _shift(entropy[:, :-1])
-    return _shift(logprobs), _shift(entropy)
 
 
 def micro_batch_loss(

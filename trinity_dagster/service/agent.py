@@ -24,6 +24,7 @@ from __future__ import annotations
 import socket
 import sys
 from datetime import timedelta
+from unittest.mock import patch
 
 import torch.distributed as dist
 from torch.distributed import run as torchrun
@@ -90,8 +91,8 @@ def _loopback_nodes(argv: list[str], host: str, port: int, is_host: bool | None)
     """torchrun with c10d, its rendezvous and rank stores on the loopback address `host`."""
     _store = _host_rendezvous(host, port, is_host)  # referenced until torchrun returns
     # torchrun offers no option for the address its rank store listens on
-    DynamicRendezvousHandler._create_tcp_store_server = _ranks_store
-    torchrun.main([f"--local-addr={host}", *argv])
+    with patch.object(DynamicRendezvousHandler, "_create_tcp_store_server", _ranks_store):
+        torchrun.main([f"--local-addr={host}", *argv])
 
 
 def _ranks_store(_handler: DynamicRendezvousHandler, addr: str, port: int) -> dist.TCPStore:
