@@ -1,0 +1,100 @@
+"""`scripts/gpu_check.sh --dry-run`: the prepared GPU check's code path, on CPU with a tiny model.
+
+The GPU run itself needs a GPU machine; this keeps its script, phases and JSON line working.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.gpu_check import DRY_RUN, FIGURES, MFU_FORMULA, model_flops
+
+REPO = Path(__file__).resolve().parents[1]
+# Two processes each import torch and megatron-core and train bf16 steps (emulated on this
+# CPU): 21 s alone on this 2-core machine, 30-45 s beside other work.
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the JSON line on stdout, the --out file's JSON) of one dry run."""
+    out = tmp_path_factory.mktemp("gpu-check") / "result.json"
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(out)],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last), json.loads(out.read_text())
+
+
+def _qwen2_params() -> int:
+    """Parameters of the dry run's Qwen2 shape: tied embedding, q/k/v biases, RMSNorms."""
+    s = DRY_RUN.shape
+    head = s.hidden // s.heads
+    q, kv = s.heads * head, s.kv_heads * head
+    layer = (
+        2 * s.hidden + s.hidden * (q + 2 * kv) + q + 2 * kv + q * s.hidden + 3 * s.hidden * s.ffn
+    )
+    return s.vocab * s.hidden + s.layers * layer + s.hidden
+
+
+def test_the_dry_run_reports_every_figure_with_sane_values(
+    dry_run: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    result, written = dry_run
+    assert written == result
+    assert set(FIGURES) <= result.keys()
+    assert result["dry_run"] is True and result["device"] == "cpu"
+    assert result["dtype"] == "bfloat16" and result["transformer_impl"] == "local"
+    assert result["mfu_formula"] == MFU_FORMULA and result["peak_tflops"] == 989.0
+    assert result["params"] == _qwen2_params()
+    tokens = DRY_RUN.batch * DRY_RUN.seq
+    assert result["tokens_per_step"] == tokens
+    assert result["model_flops_per_step"] == model_flops(
+        result["params"], DRY_RUN.shape, DRY_RUN.seq, tokens
+    )
+    assert len(result["step_s_all"]) == DRY_RUN.steps
+    assert len(result["losses"]) == DRY_RUN.warmup + DRY_RUN.steps
+    assert result["loss_finite"] is True
+    assert result["step_s"] > 0
+    assert result["tokens_per_s"] == pytest.approx(tokens / result["step_s"], rel=1e-3)
+    assert 0 < result["mfu"] < 1
+    assert result["model_build_s"] > 0
+    # Both parity sides run on the CPU here: the same code, so no difference at all.
+    assert result["parity_devices"] == ["cpu", "cpu"]
+    assert result["parity_passed"] is True
+    assert result["parity_loss_abs_diff"] <= 1e-4
+    assert result["parity_grad_max_abs_diff"] <= 1e-4 * max(1.0, result["parity_grad_max"])
+    assert result["parity_grad_max"] > 0
+    assert result["export_matches"] is True
+    assert result["export_hf_s"] > 0 and result["export_mib"] > 0
+    assert 0 < result["wall_s"] < 600
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bf16 engine state save fails: build_gpt_model leaves the RMSNorm weights in fp32 "
+    "while the linears are bf16, and Megatron's Float16 optimizer then maps optimizer state "
+    "to the wrong parameters ('Optimizer shape ((64,) does not match model shape ((128,))')",
+)
+def test_the_dry_run_passes_the_checkpoint_round_trip(
+    dry_run: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    result, _ = dry_run
+    assert result["errors"] == {}
+    assert result["resume_matches"] is True
+    assert result["checkpoint_save_s"] > 0 and result["checkpoint_load_s"] > 0
+    assert result["checkpoint_mib"] > 0
+    assert result["ok"] is True
