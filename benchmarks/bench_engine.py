@@ -4,8 +4,11 @@ The baseline is transformers' LlamaForCausalLM (default attention) with torch Ad
 same loss math (GRPO advantages, PPO-clip, token-mean, entropy as a metric, grad clipping),
 on the same random model, sizes and batches. Both run in this process, alternating step by
 step after warm-up; each side's fastest measured step counts (the machine is shared). The
-last line printed is one JSON object with the figures: the benchmark size, and under `small`
-(ratio also as `small_ratio`) the demo model at batch 64, micro-batch 8.
+last line printed is one JSON object with the figures: the benchmark size; under `small`
+(ratio also as `small_ratio`) the demo model at batch 64, micro-batch 8; under `packed`
+(ratio also as `packed_ratio`) the benchmark size with rollout-like row lengths (about half
+the positions real), the engine packing its micro-batches against the plain loop padding
+each micro-batch to its longest row, in real (effective) tokens/s.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.synthetic import grpo_batch, make_llama_dir
+from benchmarks.synthetic import grpo_batch, make_llama_dir, varied_grpo_batch
 
 
 def build_engine(hf_dir: Path, args: argparse.Namespace):
-    """A TrainEngine on the benchmark model (single process)."""
+    """A TrainEngine on the benchmark model (single process), packing when `args.varied`."""
     from trinity_dagster.config import config_from_dict
     from trinity_dagster.engine.engine import TrainEngine
 
@@ -38,6 +41,7 @@ def build_engine(hf_dir: Path, args: argparse.Namespace):
             "buffer": {"train_batch_size": args.batch},
             "trainer": {
                 "micro_batch_size": args.micro_batch,
+                "sequence_packing": args.varied,
                 "total_steps": args.warmup + args.steps,
                 "optim": {"lr": 1e-5},
             },
@@ -47,7 +51,10 @@ def build_engine(hf_dir: Path, args: argparse.Namespace):
 
 
 def torch_step(model, optimizer, batch: dict[str, torch.Tensor], micro_batch: int) -> float:
-    """One GRPO step of the plain loop (same advantages, PPO-clip loss, clipping); entropy."""
+    """One GRPO step of the plain loop (same advantages, PPO-clip loss, clipping); entropy.
+
+    Each micro-batch is padded to its longest row, as a collator with `padding="longest"`.
+    """
     rewards, groups = batch["rewards"].double(), batch["group_index"]
     adv_seq = torch.empty_like(rewards)
     for g in groups.unique():
@@ -58,6 +65,8 @@ def torch_step(model, optimizer, batch: dict[str, torch.Tensor], micro_batch: in
     optimizer.zero_grad()
     for start in range(0, batch["tokens"].shape[0], micro_batch):
         part = {k: v[start : start + micro_batch] for k, v in batch.items()}
+        longest = int(part["attention_mask"].sum(dim=1).max())
+        part = {k: v[:, :longest] if v.dim() == 2 else v for k, v in part.items()}
         tokens, mask = part["tokens"], part["response_mask"]
         logits = model(input_ids=tokens, attention_mask=part["attention_mask"].long()).logits
         logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -95,10 +104,15 @@ SMALL_CASE = {
 
 
 def run_case(tmp: Path, args: argparse.Namespace) -> dict:
-    """Engine and plain loop on one model size, alternating steps; each side's fastest step."""
-    tokens_per_step = args.batch * args.seq
+    """Engine and plain loop on one model size, alternating steps; each side's fastest step.
+
+    With `args.varied`, rows have rollout-like lengths (`varied_grpo_batch`), the engine packs
+    them (`trainer.sequence_packing`) and the figures count real tokens only.
+    """
+    make_batch = varied_grpo_batch if args.varied else grpo_batch
     engine_times: list[float] = []
     torch_times: list[float] = []
+    tokens: list[int] = []
     hf_dir = tmp / "hf"
     make_llama_dir(
         hf_dir,
@@ -117,7 +131,7 @@ def run_case(tmp: Path, args: argparse.Namespace) -> dict:
     try:
         # Alternate the two so that load from other processes hits both alike.
         for step in range(1, args.warmup + args.steps + 1):
-            batch = grpo_batch(
+            batch = make_batch(
                 torch.Generator().manual_seed(step),
                 rows=args.batch,
                 seq=args.seq,
@@ -128,15 +142,19 @@ def run_case(tmp: Path, args: argparse.Namespace) -> dict:
             if step > args.warmup:
                 engine_times.append(engine_s)
                 torch_times.append(torch_s)
+                tokens.append(int(batch["attention_mask"].sum()))
     finally:
         engine.close()
-    engine_s, torch_s = min(engine_times), min(torch_times)
+    engine_rate = max(n / t for n, t in zip(tokens, engine_times, strict=True))
+    torch_rate = max(n / t for n, t in zip(tokens, torch_times, strict=True))
     return {
-        "engine_tokens_per_s": round(tokens_per_step / engine_s, 1),
-        "torch_tokens_per_s": round(tokens_per_step / torch_s, 1),
-        "ratio": round(torch_s / engine_s, 3),
-        "engine_step_s": round(engine_s, 3),
-        "torch_step_s": round(torch_s, 3),
+        "engine_tokens_per_s": round(engine_rate, 1),
+        "torch_tokens_per_s": round(torch_rate, 1),
+        "ratio": round(engine_rate / torch_rate, 3),
+        "engine_step_s": round(min(engine_times), 3),
+        "torch_step_s": round(min(torch_times), 3),
+        "real_token_fraction": round(sum(tokens) / (len(tokens) * args.batch * args.seq), 3),
+        "sequence_packing": args.varied,
         "hidden": args.hidden,
         "layers": args.layers,
         "seq": args.seq,
@@ -162,17 +180,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--small-steps", type=int, default=10, help="measured steps, small case")
+    parser.add_argument("--packed-batch", type=int, default=32, help="rows, packed case")
     args = parser.parse_args()
+    args.varied = False
     small_args = argparse.Namespace(
         **{**vars(args), **SMALL_CASE, "warmup": 2, "steps": args.small_steps}
     )
+    packed_args = argparse.Namespace(**{**vars(args), "batch": args.packed_batch, "varied": True})
     # Megatron's parallel state is global per process: one engine at a time, closed in between.
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         result = run_case(Path(tmp), args)
     with tempfile.TemporaryDirectory(prefix="bench-engine-small-") as tmp:
         small = run_case(Path(tmp), small_args)
+    with tempfile.TemporaryDirectory(prefix="bench-engine-packed-") as tmp:
+        packed = run_case(Path(tmp), packed_args)
     result["small"] = small
     result["small_ratio"] = small["ratio"]
+    result["packed"] = packed
+    result["packed_ratio"] = packed["ratio"]
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))
 

@@ -41,3 +41,37 @@ def grpo_batch(
         "rewards": torch.rand(rows, generator=gen),
         "group_index": torch.arange(rows) // group,
     }
+
+
+def rollout_lengths(
+    gen: torch.Generator, *, rows: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt lengths, response lengths) [rows] spread like RL rollouts in `seq` positions.
+
+    Prompts take 1/8 to 1/4 of `seq`; a response is exponential with a mean of 0.45 of the
+    room its prompt leaves, cut at that room (about one in nine truncated, at full length).
+    """
+    prompt = torch.randint(seq // 8, seq // 4 + 1, (rows,), generator=gen)
+    room = seq - prompt
+    draw = torch.empty(rows).exponential_(1 / 0.45, generator=gen)
+    response = torch.minimum((draw * room).ceil().long().clamp(min=1), room)
+    return prompt, response
+
+
+def varied_grpo_batch(
+    gen: torch.Generator, *, rows: int, seq: int, vocab: int, group: int = 4
+) -> dict[str, torch.Tensor]:
+    """`grpo_batch` with rows of `rollout_lengths`, right-padded to `seq`."""
+    batch = grpo_batch(gen, rows=rows, seq=seq, vocab=vocab, group=group)
+    prompt, response = rollout_lengths(gen, rows=rows, seq=seq)
+    position = torch.arange(seq)
+    attention = position < (prompt + response)[:, None]
+    in_response = attention & (position >= prompt[:, None])
+    old = -torch.rand(rows, seq, generator=gen) - 8.5
+    batch.update(
+        tokens=batch["tokens"] * attention,
+        attention_mask=attention,
+        response_mask=in_response,
+        old_logprobs=torch.where(in_response, old, torch.zeros(())),
+    )
+    return batch

@@ -91,6 +91,11 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
             "trainer.micro_batch_size",
             "does not divide",
         ),
+        (
+            {"trainer": {"sequence_packing": True}, "megatron": {"sequence_parallel": True}},
+            "trainer.sequence_packing",
+            "megatron.sequence_parallel false",
+        ),
         ({"service": {"host": "0.0.0.0"}}, "service.host", "allow_non_loopback"),
         ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "greater than 1"),
         (

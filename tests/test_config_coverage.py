@@ -29,6 +29,10 @@ ACTS_WITHOUT_A_READER: dict[str, str] = {
         "selects the ALGORITHM_PRESETS entry in config.py while the file loads "
         "(tests/test_config.py shows each preset's keys)"
     ),
+    "service.nproc_per_node": (
+        "read by ServiceConfig.procs_per_node, which the launcher, `engine join` and the "
+        "Slurm/Kubernetes recipes call (tests/test_multinode.py)"
+    ),
 }
 
 ROOT_NAMES = ("config", "cfg")  # how code names the whole TrinityConfig

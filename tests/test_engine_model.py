@@ -39,6 +39,7 @@ from trinity_dagster.engine.model import (
     padded_vocab_size,
     transformer_config_from_hf,
 )
+from trinity_dagster.engine.packing import Packing
 from trinity_dagster.engine.sdpa_attention import SDPAttention
 
 REPO = Path(__file__).resolve().parents[1]
@@ -464,6 +465,32 @@ def test_sdpa_attention_matches_hand_formula_and_its_gradients(tp: int, padded: 
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_sdpa_attention_on_packed_rows_matches_the_padded_rows() -> None:
+    """Rows packed back to back (thd) attend as the same rows padded: outputs and gradients."""
+    attention = _sdpa().train()
+    lengths = torch.tensor([5, 2, 7, 1])
+    seq, batch, dim = 7, 4, 16
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(seq, batch, n, dim, generator=gen) for n in (4, 2, 2)]
+    padding = torch.arange(seq) < lengths[:, None]
+    packing = Packing.of(padding)
+    weight = torch.randn(batch, seq, 4 * dim, generator=gen) * padding[..., None]
+    results = []
+    for packed in (False, True):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        if packed:  # [s, b, n, d] -> [t, n, d] -> context [t, np * d] -> [b, s, np * d]
+            rows = [packing.pack(t.transpose(0, 1)).squeeze(0) for t in leaves]
+            out = packing.unpack(attention(*rows, None, packed_seq_params=packing.seq_params()))
+        else:
+            out = attention(*leaves, causal_attention_mask(batch, seq, padding)).transpose(0, 1)
+        (out * weight).sum().backward()
+        results.append([out * padding[..., None], *(t.grad for t in leaves)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert packing.cu_seqlens.tolist() == [0, 5, 7, 14, 15]
+    assert packing.positions().tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3, 4, 5, 6, 0]]
+
+
 def test_sdpa_attention_gives_zeros_for_a_fully_masked_row() -> None:
     attention = _sdpa()
     q, k, v = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 2, 16), torch.randn(3, 1, 2, 16)
@@ -488,8 +515,8 @@ def test_sdpa_attention_rejects_bad_input() -> None:
         attention(q, kv, kv, mask.float())
     with pytest.raises(ValueError, match=r"attention_mask shape \(1, 1, 4, 4\) is not"):
         attention(q, kv, kv, causal_attention_mask(1, 4))
-    with pytest.raises(ValueError, match="packed sequences"):
-        attention(q, kv, kv, mask, packed_seq_params=PackedSeqParams())
+    with pytest.raises(ValueError, match="packed format 'sbhd' is not 'thd'"):
+        attention(q[:, 0], kv[:, 0], kv[:, 0], None, packed_seq_params=PackedSeqParams("sbhd"))
     with pytest.raises(ValueError, match="attention_bias is not supported"):
         attention(q, kv, kv, mask, attention_bias=torch.zeros(1, 2, 5, 5))
     with pytest.raises(ValueError, match=r"\(layer 1\): softmax_type 'learnable' is not"):

@@ -227,6 +227,41 @@ def test_kl_terms_entropy_bonus_recompute_and_sft_warmup(hf_dir: Path, tmp_path:
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="grpo"),
+        pytest.param(
+            {
+                "algorithm.kl_loss_fn": "k3",
+                "algorithm.kl_loss_coef": 0.1,
+                "algorithm.entropy_coef": 0.01,
+                "algorithm.recompute_old_logprobs": True,
+                "algorithm.loss_agg_mode": "seq-mean-token-mean",
+            },
+            id="kl-entropy-recompute-seqmean",
+        ),
+    ],
+)
+def test_sequence_packing_trains_as_the_padded_rows(
+    hf_dir: Path, tmp_path: Path, overrides: dict[str, Any]
+):
+    """Packed micro-batches (no padding) give the padded layout's metrics and weights."""
+    spec = {"hf_dir": str(hf_dir), "steps": [31, 32]}
+    assert not make_batch(31)["attention_mask"].all(), "the batch must hold padding"
+    padded = run_worker(tmp_path, "padded", {**spec, "overrides": overrides})
+    packed = run_worker(
+        tmp_path, "packed", {**spec, "overrides": {**overrides, "trainer.sequence_packing": True}}
+    )
+    names = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/kl_loss")
+    for m_padded, m_packed in zip(metrics(padded), metrics(packed), strict=True):
+        for name in (*names, "actor/grad_norm", "actor/pg_clipfrac"):
+            assert m_packed[name] == pytest.approx(m_padded[name], abs=1e-5), name
+    # Summation order differs (other matmul shapes); Adam at lr 1e-2 scales the rounding of
+    # near-zero gradients up to ~1e-5 in the weights, as across TP/DP layouts.
+    assert_weights_close(weights(packed, 2), weights(padded, 2), atol=1e-4)
+
+
+@pytest.mark.parametrize(
     "background",
     [
         pytest.param(False, id="blocking"),
@@ -269,12 +304,21 @@ def test_save_and_load_state_resume_exactly(hf_dir: Path, tmp_path: Path, backgr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp", "dp"])
-def test_tensor_and_data_parallel_match_one_rank(hf_dir: Path, tmp_path: Path, layout: str):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"megatron.tensor_model_parallel_size": 2},
+        {"megatron.data_parallel_size": 2},
+        {"megatron.tensor_model_parallel_size": 2, "trainer.sequence_packing": True},
+    ],
+    ids=["tp", "dp", "tp-packed"],
+)
+def test_tensor_and_data_parallel_match_one_rank(
+    hf_dir: Path, tmp_path: Path, layout: dict[str, Any]
+):
     spec = {"hf_dir": str(hf_dir), "steps": [8, 9]}
     single = run_worker(tmp_path, "single", spec)
-    key = f"megatron.{'tensor_model' if layout == 'tp' else 'data'}_parallel_size"
-    parallel = run_worker(tmp_path, layout, {**spec, "overrides": {key: 2}}, nproc=2)
+    parallel = run_worker(tmp_path, "parallel", {**spec, "overrides": layout}, nproc=2)
     for m_one, m_two in zip(metrics(single), metrics(parallel), strict=True):
         for name in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm"):
             assert m_one[name] == pytest.approx(m_two[name], abs=1e-4), name

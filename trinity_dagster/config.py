@@ -213,6 +213,13 @@ class TrainerConfig(_Section):
     save_hf_checkpoint: Literal["always", "last", "never"] = "last"
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
     micro_batch_size: int = Field(default=8, ge=1)
+    sequence_packing: bool = Field(
+        default=False,
+        description=(
+            "Train each micro-batch's rows packed back to back without padding (verl's "
+            "use_remove_padding): same loss, no compute on padding."
+        ),
+    )
     seed: int = 42
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sft_warmup_steps: int = Field(
@@ -464,6 +471,12 @@ class TrinityConfig(_Section):
                 f"{self.trainer.micro_batch_size} does not divide the per-rank batch "
                 f"(buffer.train_batch_size {self.buffer.train_batch_size} / "
                 f"megatron.data_parallel_size {self.megatron.data_parallel_size})",
+            )
+        if self.trainer.sequence_packing and self.megatron.sequence_parallel:
+            raise _at(
+                "trainer.sequence_packing",
+                "packed sequences cannot be split across tensor-parallel ranks; set "
+                "megatron.sequence_parallel false or trainer.sequence_packing false",
             )
         if self.synchronizer.sync_method in _UNIMPLEMENTED_SYNC_METHODS:
             raise _at(

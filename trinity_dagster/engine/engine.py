@@ -33,8 +33,9 @@ from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
 from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue
 from trinity_dagster.engine.batch_check import BatchError, check_batch
-from trinity_dagster.engine.model import build_gpt_model, local_logits
+from trinity_dagster.engine.model import build_gpt_model, local_logits, packed_local_logits
 from trinity_dagster.engine.optim import build_optimizer, build_scheduler
+from trinity_dagster.engine.packing import Packing
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
     DIST_DIR,
@@ -196,16 +197,53 @@ class TrainEngine:
         self, settings: LossSettings, num_microbatches: int, data_iterator, model
     ) -> tuple[Tensor, Any]:
         micro_batch = next(data_iterator)
-        logits = local_logits(self._gpt, micro_batch["tokens"], micro_batch["attention_mask"])
+        packing = self._packing(micro_batch)
+        logits = self._logits(self._gpt, micro_batch, packing)
         # The schedule divides by the number of micro-batches and DDP averages over DP ranks;
         # each piece's loss already is its exact share of the batch loss, so undo both.
         scale = num_microbatches * self.parallel.dp_size
 
         def loss_func(output: Tensor) -> tuple[Tensor, Tensor]:
-            loss, figures = micro_batch_loss(output, micro_batch, settings)
+            logprobs, entropy = self._per_token(
+                output, micro_batch, packing, entropy_grad=settings.entropy_coef > 0
+            )
+            loss, figures = micro_batch_loss(logprobs, entropy, micro_batch, settings)
             return loss * scale, figures
 
         return logits, loss_func
+
+    def _packing(self, micro_batch: dict[str, Tensor]) -> Packing | None:
+        """How the micro-batch's rows are packed, or None when padded rows are trained."""
+        if not self.config.trainer.sequence_packing:
+            return None
+        return Packing.of(micro_batch["attention_mask"])
+
+    @staticmethod
+    def _logits(model: GPTModel, micro_batch: dict[str, Tensor], packing: Packing | None) -> Tensor:
+        """This rank's logits shard: [b, T, V] padded, or [1, S, V] packed."""
+        if packing is None:
+            return local_logits(model, micro_batch["tokens"], micro_batch["attention_mask"])
+        return packed_local_logits(model, packing.pack(micro_batch["tokens"]), packing)
+
+    def _per_token(
+        self,
+        logits: Tensor,
+        micro_batch: dict[str, Tensor],
+        packing: Packing | None,
+        *,
+        entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """(log-probs [b, T], entropy [b, T]) of the micro-batch's tokens from `_logits`."""
+        tokens = micro_batch["tokens"]
+        logprobs, entropy = token_logprobs_and_entropy(
+            logits,
+            tokens if packing is None else packing.pack(tokens),
+            temperature=self.config.explorer.temperature,
+            entropy_grad=entropy_grad,
+        )
+        if packing is None:
+            return logprobs, entropy
+        return packing.unpack(logprobs), packing.unpack(entropy)
 
     def _local_slice(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         return {
@@ -240,13 +278,9 @@ class TrainEngine:
             self._micro_batches(local),
             strict=True,
         ):
-            logits = local_logits(model, piece["tokens"], piece["attention_mask"])
-            logprobs, _ = token_logprobs_and_entropy(
-                logits,
-                piece["tokens"],
-                temperature=self.config.explorer.temperature,
-                entropy_grad=False,
-            )
+            packing = self._packing(piece)
+            logits = self._logits(model, piece, packing)
+            logprobs, _ = self._per_token(logits, piece, packing, entropy_grad=False)
             rows, length = logprobs.shape
             out[start : start + rows, :length] = logprobs.float()
         model.train(was_training)

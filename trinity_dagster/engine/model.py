@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from trinity_dagster.config import MegatronConfig
 from trinity_dagster.engine.cpu_compat import cpu_compat_active
+from trinity_dagster.engine.packing import Packing
 from trinity_dagster.engine.sdpa_attention import SDPAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -326,9 +327,41 @@ def local_logits(
     if attention_mask is not None and not bool(attention_mask.all()):
         mask = causal_attention_mask(batch, seq, attention_mask, device=device)
     logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
+    return _mask_padded_vocab(gpt, logits)
+
+
+def packed_local_logits(
+    model: torch.nn.Module, tokens: torch.Tensor, packing: Packing
+) -> torch.Tensor:
+    """This TP rank's vocabulary shard of the logits, [1, S, V_padded / tp], of the rows that
+    `packing` laid back to back in `tokens` [1, S].
+
+    Each row attends only to itself and its positions start at 0, as in `local_logits` of the
+    padded rows. Needs pipeline-parallel size 1 and no sequence parallelism.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("packed_local_logits needs pipeline_model_parallel_size 1")
+    if tuple(tokens.shape) != (1, packing.num_tokens):
+        raise ValueError(
+            f"packed tokens must be [1, {packing.num_tokens}], got shape {tuple(tokens.shape)}"
+        )
+    gpt = unwrap_model(model)
+    if gpt.config.sequence_parallel:
+        raise ValueError("packed sequences need megatron.sequence_parallel false")
+    logits = model(
+        input_ids=tokens,
+        position_ids=packing.positions(),
+        attention_mask=None,
+        packed_seq_params=packing.seq_params(),
+    )
+    return _mask_padded_vocab(gpt, logits)
+
+
+def _mask_padded_vocab(gpt: GPTModel, logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with this rank's padded vocabulary columns set to -1e30."""
     start, end = _vocab_range(gpt)
     if end > hf_vocab_size(gpt):
-        pad = torch.arange(start, end, device=device) >= hf_vocab_size(gpt)
+        pad = torch.arange(start, end, device=logits.device) >= hf_vocab_size(gpt)
         logits = logits.masked_fill(pad, _PADDED_LOGIT)
     return logits
 

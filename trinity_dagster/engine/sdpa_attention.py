@@ -9,12 +9,16 @@ Masks follow Megatron: `attention_mask` is boolean, True where attention is NOT 
 broadcastable to `[b, np, sq, sk]`; `None` with a causal `attn_mask_type` means plain causal
 attention. A query row whose keys are all masked yields zeros (Megatron's softmax yields a
 uniform average there); such rows are padding and carry no loss.
+
+Packed sequences (Megatron's `thd` format, `packed_seq_params` with `cu_seqlens`) are
+attended one sequence at a time, each causal within itself.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, nullcontext
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +82,8 @@ class SDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        """Context `[sq, b, np * hn]` from query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]`."""
-        if packed_seq_params is not None:
-            raise ValueError("SDPAttention: packed sequences (packed_seq_params) are not supported")
+        """Context `[sq, b, np * hn]` from query `[sq, b, np, hn]`, key/value `[sk, b, ng, hn]`;
+        for packed sequences (`thd`), `[t, np * hn]` from `[t, np, hn]` and `[t, ng, hn]`."""
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
         expected = {
@@ -88,22 +91,70 @@ class SDPAttention(MegatronModule):
             "key": self.num_query_groups_per_partition,
             "value": self.num_query_groups_per_partition,
         }
+        heads_dim = 2 if packed_seq_params is None else 1
         for name, tensor in zip(expected, (query, key, value), strict=True):
-            if tensor.size(2) != expected[name]:
+            if tensor.size(heads_dim) != expected[name]:
                 raise ValueError(
-                    f"SDPAttention: {name} has {tensor.size(2)} heads, expected "
+                    f"SDPAttention: {name} has {tensor.size(heads_dim)} heads, expected "
                     f"{expected[name]} per tensor-parallel rank"
                 )
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, mask_type)
         # [s, b, heads, hn] -> [b, heads, s, hn]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if attention_mask is None:
             allowed, causal = None, mask_type == AttnMaskType.causal
         else:
             allowed, causal = _allowed(attention_mask, q.size(2), k.size(2)), False
+        context = self._sdpa(q, k, v, allowed, causal)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        sq, batch = query.size(0), query.size(1)
+        return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+    def _packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        params: PackedSeqParams,
+        mask_type: AttnMaskType,
+    ) -> torch.Tensor:
+        """Context `[t, np * hn]` of sequences packed back to back (`thd`: `[t, heads, hn]`),
+        each attending only to itself."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention: packed format {params.qkv_format!r} is not 'thd'")
+        if params.cu_seqlens_kv is not params.cu_seqlens_q and not torch.equal(
+            params.cu_seqlens_kv, params.cu_seqlens_q
+        ):
+            raise ValueError("SDPAttention: packed queries and keys must share cu_seqlens")
+        bounds = params.cu_seqlens_q.tolist()
+        if bounds[-1] != query.size(0):
+            raise ValueError(
+                f"SDPAttention: cu_seqlens cover {bounds[-1]} tokens, the packed query has "
+                f"{query.size(0)}"
+            )
+        # [t, heads, hn] -> [heads, t, hn]
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        causal = mask_type == AttnMaskType.causal
+        pieces = [
+            self._sdpa(q[:, a:b], k[:, a:b], v[:, a:b], None, causal) for a, b in pairwise(bounds)
+        ]
+        # [np, t, hn] -> [t, np * hn]
+        return torch.cat(pieces, dim=1).transpose(0, 1).reshape(query.size(0), -1)
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allowed: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """SDPA over `[..., heads, s, hn]` with this layer's scale and dropout."""
         dropout_p = self.dropout_p if self.training else 0.0
         with _dropout_rng(dropout_p, self.config.sequence_parallel):
-            context = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
@@ -111,11 +162,8 @@ class SDPAttention(MegatronModule):
                 dropout_p=dropout_p,
                 is_causal=causal,
                 scale=self.softmax_scale,
-                enable_gqa=k.size(1) != q.size(1),
+                enable_gqa=k.size(-3) != q.size(-3),
             )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        sq, batch = query.size(0), query.size(1)
-        return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
 def _allowed(attention_mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:

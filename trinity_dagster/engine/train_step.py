@@ -123,22 +123,17 @@ def token_logprobs_and_entropy(
 
 
 def micro_batch_loss(
-    logits: Tensor, micro_batch: dict[str, Tensor], settings: LossSettings
+    logprobs: Tensor, entropy: Tensor, micro_batch: dict[str, Tensor], settings: LossSettings
 ) -> tuple[Tensor, Tensor]:
     """(loss of this piece, its summable figures in SUM_KEYS order) for one micro-batch.
 
-    `micro_batch` holds `tokens`, `response_mask`, `old_logprobs`, `advantages` and, when the
-    loss has a KL term, `ref_logprobs` (all [b, T]). The loss is this piece's share of the
-    full batch's loss; the figures are sums over the batch's pieces (token-weighted where the
-    metric is a token mean).
+    `logprobs` and `entropy` are the policy's per-token values from
+    `token_logprobs_and_entropy`; `micro_batch` holds `response_mask`, `old_logprobs`,
+    `advantages` and, when the loss has a KL term, `ref_logprobs` (all [b, T]). The loss is
+    this piece's share of the full batch's loss; the figures are sums over the batch's pieces
+    (token-weighted where the metric is a token mean).
     """
     mask = micro_batch["response_mask"]
-    logprobs, entropy = token_logprobs_and_entropy(
-        logits,
-        micro_batch["tokens"],
-        temperature=settings.temperature,
-        entropy_grad=settings.entropy_coef > 0,
-    )
     norm: dict[str, Any] = {
         "global_num_tokens": settings.global_num_tokens,
         "global_num_seqs": settings.global_num_seqs,
