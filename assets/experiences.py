@@ -1,7 +1,5 @@
 """`experiences`: the Delta table explorers append to, observed (row count, table version)."""
 
-from pathlib import Path
-
 import dagster as dg
 import pyarrow as pa
 
@@ -23,15 +21,15 @@ def experiences(run_config: RunConfigResource) -> dg.ObserveResult:
     stats = table_stats(run_config.config)
     return dg.ObserveResult(
         data_version=dg.DataVersion(str(stats["table_version"])),
-        metadata={**stats, "path": dg.MetadataValue.path(str(run_config.paths.experiences))},
+        metadata={**stats, "path": dg.MetadataValue.path(run_config.paths.experiences)},
     )
 
 
-def schema_problems(path: Path) -> list[str]:
-    """Differences between the Delta table at `path` and the experience schema."""
-    table = open_table(path)
+def schema_problems(location: str) -> list[str]:
+    """Differences between the Delta table at `location` and the experience schema."""
+    table = open_table(location)
     if table is None:
-        return [f"no Delta table at {path}"]
+        return [f"no Delta table at {location}"]
     actual = {field.name: field for field in pa.schema(table.schema().to_arrow())}
     problems = []
     for field in EXPERIENCE_SCHEMA:

@@ -31,5 +31,5 @@ class RunConfigResource(dg.ConfigurableResource):
 
     @property
     def paths(self) -> RunPaths:
-        """The run root layout."""
-        return RunPaths.of(self.config.run_root)
+        """The run root layout, with the Delta tables where `buffer.tables_root` puts them."""
+        return RunPaths.of_config(self.config)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -172,7 +173,7 @@ def test_a_single_row_instead_of_a_list_is_a_type_error(tmp_path):
     with pytest.raises(TypeError, match=r"got a single dict \(to write one row, pass \[row\]\)"):
         ExperienceWriter(config).write(make_row("one"))
     paths = RunPaths.of(config.run_root)
-    assert not paths.experiences.exists() and not paths.quarantine.exists()
+    assert not Path(paths.experiences).exists() and not Path(paths.quarantine).exists()
 
 
 def test_too_long_and_unknown_version_and_duplicates(tmp_path):

@@ -107,8 +107,8 @@ def test_every_schedule_of_the_code_location_is_tested_here() -> None:
     assert {schedule.name for schedule in defs.schedules} == TESTED
 
 
-def _parquet_files(table_dir: Path) -> set[str]:
-    return {p.name for p in table_dir.glob("*.parquet")}
+def _parquet_files(table_dir: str) -> set[str]:
+    return {p.name for p in Path(table_dir).glob("*.parquet")}
 
 
 def test_delta_maintenance_compacts_and_vacuums_with_the_runs_retention(located) -> None:

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
+from trinity_dagster.paths import local_path, uri_scheme
 
 DEFAULT_RUN_ROOT = "runs/demo"
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
@@ -167,8 +168,14 @@ class AlgorithmConfig(_Section):
 
 
 class BufferConfig(_Section):
-    """The experience buffer: Delta tables under the run root and how batches are sampled."""
+    """The experience buffer: where its Delta tables live and how batches are sampled."""
 
+    tables_root: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Where the Delta tables experiences/, batches/ and quarantine/ live: a "
+        "directory or a file:// URI; None: the run root.",
+    )
     train_batch_size: int = Field(default=64, ge=1, description="Experiences per train step.")
     batch_unit: Literal["rows", "groups"] = Field(
         default="groups", description="Pin whole GRPO groups, or single rows."
@@ -188,6 +195,21 @@ class BufferConfig(_Section):
         description="The trainer stops (data ended) after waiting this long for a batch with "
         "no new experience arriving.",
     )
+
+    @model_validator(mode="after")
+    def _tables_on_a_file_system(self) -> BufferConfig:
+        """A path or a file:// URI; object stores need settings this config does not have."""
+        if self.tables_root is not None:
+            try:
+                local_path(self.tables_root)
+            except ValueError:
+                raise _at(
+                    "buffer.tables_root",
+                    f"{self.tables_root!r}: only a directory or a file:// URI is supported; "
+                    "object storage (s3://, gs://, az://) also needs storage options and a "
+                    "commit lock, which are not configurable yet (see docs/scaling.md)",
+                ) from None
+        return self
 
 
 class OptimConfig(_Section):
@@ -538,7 +560,10 @@ class TrinityConfig(_Section):
 
     def resolved_hash(self) -> str:
         """A stable hash of the configuration that training results depend on."""
-        relevant = self.model_dump(include={"model", "algorithm", "buffer", "trainer", "megatron"})
+        relevant = self.model_dump(
+            include={"model", "algorithm", "buffer", "trainer", "megatron"},
+            exclude={"buffer": {"tables_root"}},  # where the tables live changes no result
+        )
         blob = json.dumps(relevant, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -589,8 +614,9 @@ def config_from_dict(
 ) -> TrinityConfig:
     """Validate a configuration mapping.
 
-    Relative paths (`run_root`, `model.path`, JSONL task files) resolve against `base_dir`,
-    the config file's directory (default: the working directory).
+    Relative paths (`run_root`, `model.path`, `buffer.tables_root` unless it is a URI, JSONL
+    task files) resolve against `base_dir`, the config file's directory (default: the working
+    directory).
     """
     try:
         cfg = TrinityConfig.model_validate(data)
@@ -600,6 +626,9 @@ def config_from_dict(
     cfg.run_root = _resolve(cfg.run_root, base)
     if cfg.model.path is not None:
         cfg.model.path = _resolve(cfg.model.path, base)
+    tables_root = cfg.buffer.tables_root
+    if tables_root is not None and uri_scheme(tables_root) is None:
+        cfg.buffer.tables_root = _resolve(tables_root, base)
     for field in ("taskset", "eval_taskset"):
         value = getattr(cfg.explorer, field)
         if value.endswith(".jsonl"):

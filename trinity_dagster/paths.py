@@ -1,21 +1,77 @@
-"""Where everything of a run lives under its run root."""
+"""Where everything of a run lives under its run root, and where its Delta tables live.
+
+The Delta tables (experiences, batches, quarantine) are named by a *location*: a local path
+or a URI (`file:///abs/dir`). Delta Lake opens either as given; code that needs the local
+file system (creating a directory, a `stat` of the log) asks `local_path` for it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
+
+if TYPE_CHECKING:
+    from trinity_dagster.config import TrinityConfig
+
+LOCAL_URI_SCHEMES = ("file",)
+
+
+def uri_scheme(location: str) -> str | None:
+    """The URI scheme of `location` (`"file"` for `file:///x`), or None for a plain path."""
+    scheme = urlsplit(location).scheme
+    return scheme.lower() if len(scheme) > 1 and "://" in location else None
+
+
+def local_path(location: str | Path) -> Path:
+    """The local file system path of a table location: a plain path or a `file://` URI.
+
+    Raises ValueError for a URI of another scheme or a `file://` URI naming another host.
+    """
+    if isinstance(location, Path):
+        return location
+    scheme = uri_scheme(location)
+    if scheme is None:
+        return Path(location)
+    parts = urlsplit(location)
+    if scheme not in LOCAL_URI_SCHEMES or parts.netloc not in ("", "localhost"):
+        raise ValueError(f"{location!r} is not on the local file system (a path or file:///...)")
+    return Path(url2pathname(parts.path))
+
+
+def join_location(base: str | Path, name: str) -> str:
+    """The location `name` inside the location `base` (a path or a URI)."""
+    if isinstance(base, str) and uri_scheme(base) is not None:
+        return f"{base.rstrip('/')}/{name}"
+    return str(Path(base) / name)
 
 
 @dataclass(frozen=True)
 class RunPaths:
-    """The fixed layout of a run root directory."""
+    """The fixed layout of a run root directory, with the location of its Delta tables.
+
+    `tables_root` is where `experiences/`, `batches/` and `quarantine/` live: a directory or
+    a `file://` URI (config `buffer.tables_root`); None puts them under the run root.
+    """
 
     root: Path
+    tables_root: str | None = None
 
     @classmethod
-    def of(cls, run_root: str | Path) -> RunPaths:
-        """The layout for `run_root`."""
-        return cls(Path(run_root))
+    def of(cls, run_root: str | Path, tables_root: str | None = None) -> RunPaths:
+        """The layout for `run_root`, with the Delta tables under `tables_root` if given."""
+        return cls(Path(run_root), tables_root)
+
+    @classmethod
+    def of_config(cls, config: TrinityConfig) -> RunPaths:
+        """The layout of a configured run: its run root and `buffer.tables_root`."""
+        return cls.of(config.run_root, config.buffer.tables_root)
+
+    def table(self, name: str) -> str:
+        """The location of the Delta table `name` (a path, or a URI under a URI root)."""
+        return join_location(self.root if self.tables_root is None else self.tables_root, name)
 
     @property
     def dagster_home(self) -> Path:
@@ -23,19 +79,19 @@ class RunPaths:
         return self.root / "dagster_home"
 
     @property
-    def experiences(self) -> Path:
-        """Delta table that explorers append experiences to."""
-        return self.root / "experiences"
+    def experiences(self) -> str:
+        """Location of the Delta table that explorers append experiences to."""
+        return self.table("experiences")
 
     @property
-    def batches(self) -> Path:
-        """Delta table of the experiences pinned to each train step."""
-        return self.root / "batches"
+    def batches(self) -> str:
+        """Location of the Delta table of the experiences pinned to each train step."""
+        return self.table("batches")
 
     @property
-    def quarantine(self) -> Path:
-        """Delta table of rejected experiences with the reason."""
-        return self.root / "quarantine"
+    def quarantine(self) -> str:
+        """Location of the Delta table of rejected experiences with the reason."""
+        return self.table("quarantine")
 
     @property
     def checkpoints(self) -> Path:

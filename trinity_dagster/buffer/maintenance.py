@@ -15,7 +15,7 @@ from trinity_dagster.paths import RunPaths
 
 
 def _tables(config: TrinityConfig) -> dict[str, Any]:
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     found = {
         name: open_table(path)
         for name, path in (

@@ -30,13 +30,13 @@ def _storable(text: str) -> str:
 
 
 def append_quarantine(
-    path: Path,
+    location: str | Path,
     records: Sequence[QuarantineRecord],
     source: str,
     step: int | None = None,
     max_retries: int = 20,
 ) -> int:
-    """Append `records` to the quarantine table at `path` in one commit; the count written."""
+    """Append `records` to the quarantine table at `location` in one commit; the count written."""
     if not records:
         return 0
     now = dt.datetime.now(dt.UTC)
@@ -55,16 +55,16 @@ def append_quarantine(
         ],
         schema=QUARANTINE_SCHEMA,
     )
-    open_or_create(path, QUARANTINE_SCHEMA)
+    open_or_create(location, QUARANTINE_SCHEMA)
 
     def attempt() -> None:
         write_deltalake(
-            str(path),
+            str(location),
             table,
             mode="append",
             writer_properties=writer_properties(),
             commit_properties=CommitProperties(max_commit_retries=max_retries),
         )
 
-    retry_commits(attempt, max_retries, f"quarantine append to {path}")
+    retry_commits(attempt, max_retries, f"quarantine append to {location}")
     return len(records)

@@ -26,7 +26,7 @@ def _paths(paths_or_config: RunPaths | TrinityConfig | str | Path) -> RunPaths:
     if isinstance(paths_or_config, RunPaths):
         return paths_or_config
     if isinstance(paths_or_config, TrinityConfig):
-        return RunPaths.of(paths_or_config.run_root)
+        return RunPaths.of_config(paths_or_config)
     return RunPaths.of(paths_or_config)
 
 

@@ -121,7 +121,7 @@ def sampler_state(config: TrinityConfig, step: int) -> SamplerState:
     """The sampler state recorded with step `step` (0: the initial state)."""
     if step == 0:
         return SamplerState()
-    batches = open_table(RunPaths.of(config.run_root).batches)
+    batches = open_table(RunPaths.of_config(config).batches)
     if batches is None:
         raise LookupError(f"step {step} is not pinned: no batches table yet")
     rows = _step_rows(batches, [step], ["sampler_state"])
@@ -172,7 +172,7 @@ def pin_batch(
     """
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     strategy = get_strategy(config.buffer.sample_strategy)
     version_now = step - 1 if current_version is None else current_version
 

@@ -23,7 +23,7 @@ def _row_count(table: DeltaTable | None) -> int:
 
 def last_pinned_step(config: TrinityConfig) -> int:
     """The highest pinned step (0 if none), from file statistics only."""
-    batches = open_table(RunPaths.of(config.run_root).batches)
+    batches = open_table(RunPaths.of_config(config).batches)
     if batches is None:
         return 0
     actions = add_actions(batches)
@@ -58,7 +58,7 @@ def _rows_at_or_above(table: DeltaTable, seq: int) -> int:
 
 def unconsumed_count(config: TrinityConfig) -> int:
     """Experiences not yet resolved (trained on up to their limit, or dropped)."""
-    experiences = open_table(RunPaths.of(config.run_root).experiences)
+    experiences = open_table(RunPaths.of_config(config).experiences)
     if experiences is None:
         return 0
     step = last_pinned_step(config)
@@ -68,7 +68,7 @@ def unconsumed_count(config: TrinityConfig) -> int:
 
 def table_stats(config: TrinityConfig) -> dict[str, Any]:
     """Row counts and versions of the buffer tables, plus the unconsumed count."""
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     experiences = open_table(paths.experiences)
     quarantine = open_table(paths.quarantine)
     return {

@@ -1,4 +1,7 @@
-"""Opening and creating the buffer's Delta tables, and the conflict-retry loop for commits."""
+"""Opening and creating the buffer's Delta tables, and the conflict-retry loop for commits.
+
+A table is named by its location: a local path or a `file://` URI (see `trinity_dagster.paths`).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from deltalake import DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from trinity_dagster.buffer.schema import ROW_GROUP_ROWS
+from trinity_dagster.paths import local_path
 
 T = TypeVar("T")
 
@@ -34,40 +38,42 @@ def writer_properties() -> WriterProperties:
     return WriterProperties(max_row_group_size=ROW_GROUP_ROWS, compression="SNAPPY")
 
 
-def open_table(path: Path) -> DeltaTable | None:
-    """The Delta table at `path` at its latest version, or None if there is none yet."""
+def open_table(location: str | Path) -> DeltaTable | None:
+    """The Delta table at `location` at its latest version, or None if there is none yet."""
     try:
-        return DeltaTable(str(path))
+        return DeltaTable(str(location))
     except TableNotFoundError:
         return None
 
 
-def table_log_mtime(path: Path) -> int | None:
-    """When the Delta log of the table at `path` last changed (ns), None if there is none.
+def table_log_mtime(location: str | Path) -> int | None:
+    """When the Delta log of the table at `location` last changed (ns), None if there is none.
 
     Every commit adds a file to `_delta_log/`, so a waiting reader can tell from one `stat`
     whether reading the table again can find anything new.
     """
     try:
-        return os.stat(path / "_delta_log").st_mtime_ns
+        return os.stat(local_path(location) / "_delta_log").st_mtime_ns
     except FileNotFoundError:
         return None
 
 
-def open_or_create(path: Path, schema: pa.Schema) -> DeltaTable:
-    """The Delta table at `path`, created empty with `schema` if absent (safe under races).
+def open_or_create(location: str | Path, schema: pa.Schema) -> DeltaTable:
+    """The Delta table at `location`, created empty with `schema` if absent (safe under races).
 
     A new table gets `TABLE_CONFIGURATION`.
     """
-    table = open_table(path)
+    table = open_table(location)
     if table is not None:
         return table
-    path.parent.mkdir(parents=True, exist_ok=True)
+    local_path(location).parent.mkdir(parents=True, exist_ok=True)
     try:
-        return DeltaTable.create(str(path), schema, mode="error", configuration=TABLE_CONFIGURATION)
+        return DeltaTable.create(
+            str(location), schema, mode="error", configuration=TABLE_CONFIGURATION
+        )
     except (DeltaError, CommitFailedError):
         # Another process created it between the check and the create.
-        table = open_table(path)
+        table = open_table(location)
         if table is None:
             raise
         return table

@@ -71,7 +71,7 @@ class ExperienceWriter:
     def __init__(
         self, config: TrinityConfig, known_versions: Callable[[], set[int]] | None = None
     ) -> None:
-        self._paths = RunPaths.of(config.run_root)
+        self._paths = RunPaths.of_config(config)
         self._max_len = config.model.max_model_len
         self._max_retries = config.buffer.writer_max_retries
         self._known_versions = known_versions

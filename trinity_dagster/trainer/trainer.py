@@ -90,7 +90,7 @@ class Trainer:
         hook: TrainerHook | None = None,
     ) -> None:
         self.config = config
-        self.paths = RunPaths.of(config.run_root)
+        self.paths = RunPaths.of_config(config)
         self.engine = engine if engine is not None else get_trainer_wrapper(config)
         self.hook = hook or TrainerHook()
         self.total_steps = config.trainer.total_steps
