@@ -75,9 +75,13 @@ def training_finished(run_config: RunConfigResource) -> TrainerState | None:
 def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
     """The pid of a started run's worker process if that process is gone, else None.
 
-    Runs are launched on this machine (the default run launcher); a worker killed together
-    with `dagster dev` or the daemon leaves its run STARTED, which nothing else notices.
+    The default run launcher starts workers on this machine; a worker killed together with
+    `dagster dev` or the daemon leaves its run STARTED, which nothing else notices. Under
+    another launcher (Kubernetes, Docker) the pid names a process on another machine, and
+    Dagster's run monitoring checks the worker's health instead: None.
     """
+    if not isinstance(instance.run_launcher, dg.DefaultRunLauncher):
+        return None
     records = instance.get_records_for_run(
         run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT
     ).records
