@@ -203,6 +203,10 @@ def build_gpt_model(
         rotary_base=rope_theta(hf_config),
     )
     model.hf_vocab_size = vocab
+    # Megatron's local RMSNorm makes its weight in the default dtype; in bf16/fp16 every
+    # parameter must share the dtype (as Megatron's Float16Module casts the whole model), or
+    # the mixed-precision optimizer pairs its fp32 copies with the wrong parameters.
+    model.to(config.params_dtype)
     if model.post_process and not model.output_layer.sequence_parallel:
         _make_output_layer_batch_first(model.output_layer)
     if not cpu_compat_active():
@@ -358,7 +362,9 @@ def packed_local_logits(
 
 
 def _mask_padded_vocab(gpt: GPTModel, logits: torch.Tensor) -> torch.Tensor:
-    """`logits` with this rank's padded vocabulary columns set to -1e30."""
+    """`logits` in fp32 (the model may run in bf16), this rank's padded vocabulary columns
+    set to -1e30."""
+    logits = logits.float()
     start, end = _vocab_range(gpt)
     if end > hf_vocab_size(gpt):
         pad = torch.arange(start, end, device=logits.device) >= hf_vocab_size(gpt)
