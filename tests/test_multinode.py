@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,13 @@ from trinity_dagster.service.launcher import (
     stop_service,
 )
 from trinity_dagster.service.recipes import RecipeOptions, k8s_manifest, slurm_script
-from trinity_dagster.service.state import ServiceState, ensure_token, read_state, write_state
+from trinity_dagster.service.state import (
+    ServiceState,
+    advertised_host,
+    ensure_token,
+    read_state,
+    write_state,
+)
 
 TWO_NODES = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}
 CLUSTER = {
@@ -320,3 +327,11 @@ def test_two_nodes_train_like_one_and_resume_each_others_checkpoints(
     assert two_first_weights.keys() == one_first_weights.keys()
     for name, tensor in one_first_weights.items():
         assert two_first_weights[name].equal(tensor), name
+
+
+def test_a_wildcard_bind_is_recorded_as_the_node_rank_0_runs_on() -> None:
+    """Rank 0 may land on any node: clients elsewhere reach it by that node's name."""
+    for wildcard in ("0.0.0.0", "::"):
+        assert advertised_host(wildcard) == socket.getfqdn()
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("node3.cluster") == "node3.cluster"

@@ -24,7 +24,13 @@ from trinity_dagster.service.server import (
     rank0_loop,
     worker_loop,
 )
-from trinity_dagster.service.state import ServiceState, clear_state, read_token, write_state
+from trinity_dagster.service.state import (
+    ServiceState,
+    advertised_host,
+    clear_state,
+    read_token,
+    write_state,
+)
 
 log = logging.getLogger("trinity_dagster.service")
 
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             pid=os.getpid(),
             pgid=os.getpgid(0),
             launcher_pid=os.getppid(),
-            host=config.service.host,
+            host=advertised_host(config.service.host),
             port=server.port,
             world_size=host.world_size,
             config_hash=config.resolved_hash(),

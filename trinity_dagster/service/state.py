@@ -96,6 +96,15 @@ class ServiceState:
         return f"http://{host}:{self.port}"
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address clients reach a control API bound to `bind_host` at: this machine's name
+    for a wildcard bind (rank 0 may land on any node), else `bind_host` itself."""
+    return socket.getfqdn() if bind_host in WILDCARD_HOSTS else bind_host
+
+
 def write_state(paths: RunPaths, state: ServiceState) -> None:
     """Publish the running service's address atomically."""
     text = json.dumps(asdict(state), indent=1)
