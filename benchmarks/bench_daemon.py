@@ -143,7 +143,7 @@ def run_direct(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
 
 
 # --- daemon ------------------------------------------------------------------------------
-def _step_times(instance: Any, asset: str) -> dict[int, float]:
+def step_times(instance: Any, asset: str) -> dict[int, float]:
     """The event timestamp of the first materialisation of each step partition of `asset`."""
     import dagster as dg
 
@@ -156,7 +156,8 @@ def _step_times(instance: Any, asset: str) -> dict[int, float]:
     return times
 
 
-def _train_metadata(instance: Any) -> dict[int, dict[str, Any]]:
+def train_metadata(instance: Any) -> dict[int, dict[str, Any]]:
+    """The metadata of each step's `train_step` materialisation, as plain values."""
     import dagster as dg
 
     records = instance.fetch_materializations(dg.AssetKey("train_step"), limit=10_000).records
@@ -186,14 +187,14 @@ def run_daemon(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
     import dagster as dg
 
     instance = dg.DagsterInstance.get()  # DAGSTER_HOME set by run_training
-    trained = _step_times(instance, "train_step")
-    explored = _step_times(instance, "rollouts")
+    trained = step_times(instance, "train_step")
+    explored = step_times(instance, "rollouts")
     assert sorted(trained) == list(range(1, steps + 1)), f"trained steps {sorted(trained)}"
     figures = per_step(trained, started)
     records = {step: read_record(paths, step) for step in trained}
     trained_at = {step: r["trained_at"] for step, r in records.items() if r is not None}
     figures["s_per_step_by_trained_at"] = round(per_step(trained_at, started)["s_per_step"], 3)
-    meta = _train_metadata(instance)
+    meta = train_metadata(instance)
     steady = list(range(2, steps + 1))
     trainer_side = {
         # rollouts[N] logged -> train_step[N] logged: the trainer notices the data, pins,

@@ -29,7 +29,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks.bench_daemon import _step_times, _train_metadata
+from benchmarks.bench_daemon import step_times, train_metadata
 from trinity_dagster.config import load_config
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
@@ -86,13 +86,13 @@ def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str,
     import dagster as dg
 
     instance = dg.DagsterInstance.get()  # DAGSTER_HOME set by run_training
-    trained = _step_times(instance, "train_step")
+    trained = step_times(instance, "train_step")
     assert sorted(trained) == list(range(1, total + 1)), f"trained steps {sorted(trained)}"
     steady = list(range(sft_steps + 2, total + 1))  # GRPO steps with a GRPO step before them
     walls = [
         trained[b] - trained[a] for a, b in itertools.pairwise(range(sft_steps + 1, total + 1))
     ]
-    meta = _train_metadata(instance)
+    meta = train_metadata(instance)
     rollouts = _rollout_metadata(instance)
     metrics = [r["metrics"] for r in (read_record(paths, s) for s in steady) if r is not None]
 
