@@ -72,7 +72,7 @@ def _filler(start: int, n: int, version: int) -> pa.Table:
 
 
 def _fill(config: TrinityConfig, rows: int) -> None:
-    table = open_or_create(RunPaths.of(config.run_root).experiences, EXPERIENCE_SCHEMA)
+    table = open_or_create(RunPaths.of_config(config).experiences, EXPERIENCE_SCHEMA)
     for start in range(0, rows, FILL_BATCH):
         n = min(FILL_BATCH, rows - start)
         write_deltalake(

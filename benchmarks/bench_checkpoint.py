@@ -79,7 +79,7 @@ class Loop:
                 },
             }
         )
-        self.paths = RunPaths.of(config.run_root)
+        self.paths = RunPaths.of_config(config)
         self.engine = TrainEngine(config, root / "hf")
         self.manager = CheckpointManager(config, self.paths, self.engine)
         self.args = args

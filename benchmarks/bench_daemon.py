@@ -97,7 +97,7 @@ def run_direct(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
     from trinity_dagster.explorer.initial_model import create_initial_model
     from trinity_dagster.service.launcher import connect
 
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     sync = config.synchronizer
     create_initial_model(config, paths)
     explorer = Explorer(config, paths)
@@ -174,7 +174,7 @@ def run_daemon(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
     config = bench_config(root, steps, save_interval)
     from trinity_dagster.commands.training_run import run_training
 
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     try:
         # its progress lines go to stderr: this process's stdout ends with one JSON line
         stdout, sys.stdout = sys.stdout, sys.stderr
@@ -229,6 +229,25 @@ def run_phase(phase: str, root: Path, steps: int, save_interval: int) -> dict[st
     return {"phase": phase, **run(root, steps, save_interval)}
 
 
+def run_isolated(
+    module: str, option: str, value: str, root: Path, extra: list[str], timeout_s: float
+) -> dict[str, Any]:
+    """The JSON last line of `python -m module --option value --root root *extra`, run from
+    the repository root in a fresh process; a service left in `root` is stopped on failure."""
+    command = [sys.executable, "-m", module, f"--{option}", value, "--root", str(root), *extra]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as err:
+        stop_service(RunPaths.of(root))
+        raise SystemExit(f"{value} ran past {timeout_s:g} s") from err
+    if done.returncode != 0:
+        stop_service(RunPaths.of(root))
+        raise SystemExit(f"{value} failed:\n{done.stdout[-3000:]}{done.stderr[-5000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     """Run each way in its own process; print the figures, the last line as JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -248,21 +267,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_daemon_") as tmp:
         base = args.keep or Path(tmp)
         for phase in PHASES:
-            root = base / f"{phase}-run"
-            command = [sys.executable, "-m", MODULE, "--phase", phase, "--root", str(root)]
-            command += ["--steps", str(args.steps), "--save-interval", str(args.save_interval)]
-            try:
-                done = subprocess.run(
-                    command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=args.timeout_s
-                )
-            except subprocess.TimeoutExpired as err:
-                stop_service(RunPaths.of(root))
-                raise SystemExit(f"{phase} ran past {args.timeout_s:g} s") from err
-            if done.returncode != 0:
-                stop_service(RunPaths.of(root))
-                tail = done.stdout[-3000:] + done.stderr[-5000:]
-                raise SystemExit(f"{phase} failed:\n{tail}")
-            results[phase] = json.loads(done.stdout.strip().splitlines()[-1])
+            extra = ["--steps", str(args.steps), "--save-interval", str(args.save_interval)]
+            results[phase] = run_isolated(
+                MODULE, "phase", phase, base / f"{phase}-run", extra, args.timeout_s
+            )
             found = results[phase]
             print(
                 f"{phase:7s} {found['s_per_step']:.3f} s/step in steady state, "

@@ -69,7 +69,7 @@ def _joined_nodes(config: TrinityConfig, config_file: Path) -> list[subprocess.P
 def _train(config: TrinityConfig, config_file: Path, steps: int) -> tuple[float, list[float], dict]:
     """(start-up s, s of each timed step, final weights) of one layout."""
     others = _joined_nodes(config, config_file)
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     started = time.perf_counter()
     try:
         with connect(config) as client:

@@ -131,7 +131,7 @@ def _prepare(root: Path, steps: int) -> TrinityConfig:
 
 def _engine_seconds(config: TrinityConfig, steps: int) -> float:
     """The engine's own time for steps 1..N, from their records (train + batch load)."""
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     total = 0.0
     for step in range(1, steps + 1):
         record = read_record(paths, step)
@@ -194,7 +194,7 @@ def run_phase(phase: str, root: Path, steps: int) -> dict[str, Any]:
         else:
             seconds, engine_s = _dagster(config, steps, ranged=phase == "ranged")
     finally:
-        stop_service(RunPaths.of(config.run_root))
+        stop_service(RunPaths.of_config(config))
     return {"phase": phase, "seconds": seconds, "engine_s": engine_s}
 
 

@@ -67,7 +67,7 @@ def main() -> None:
                 "synchronizer": {"sync_interval": steps + 100},
             },
         )
-        paths = RunPaths.of(config.run_root)
+        paths = RunPaths.of_config(config)
         fill_buffer(config, steps)
         pin_steps(config, range(1, steps + 1))
         started = time.perf_counter()

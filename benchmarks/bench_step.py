@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks.bench_daemon import step_times, train_metadata
+from benchmarks.bench_daemon import run_isolated, step_times, train_metadata
 from trinity_dagster.config import load_config
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
@@ -74,7 +73,7 @@ def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str,
             "synchronizer.sync_method": method,
         },
     )
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     try:
         stdout, sys.stdout = sys.stdout, sys.stderr  # stdout ends with one JSON line
         try:
@@ -149,20 +148,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         base = args.keep or Path(tmp)
         for method in SYNC_METHODS:
-            root = base / f"{method}-run"
-            command = [sys.executable, "-m", MODULE, "--method", method, "--root", str(root)]
-            command += ["--steps", str(args.steps), "--sft-steps", str(args.sft_steps)]
-            try:
-                done = subprocess.run(
-                    command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=args.timeout_s
-                )
-            except subprocess.TimeoutExpired as err:
-                stop_service(RunPaths.of(root))
-                raise SystemExit(f"{method} ran past {args.timeout_s:g} s") from err
-            if done.returncode != 0:
-                stop_service(RunPaths.of(root))
-                raise SystemExit(f"{method} failed:\n{done.stdout[-3000:]}{done.stderr[-5000:]}")
-            found = json.loads(done.stdout.strip().splitlines()[-1])
+            extra = ["--steps", str(args.steps), "--sft-steps", str(args.sft_steps)]
+            found = run_isolated(
+                MODULE, "method", method, base / f"{method}-run", extra, args.timeout_s
+            )
             results[method] = found
             print(
                 f"{method:10s} step {found['step_s']:.3f} s, compute {found['compute_s']:.3f} s, "

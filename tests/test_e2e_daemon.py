@@ -51,11 +51,14 @@ SETTINGS = {
 }
 
 
-def write_config(root: Path) -> Path:
-    """The test's configuration with its run root under `root`."""
+def write_config(root: Path, tables_root: str | None = None) -> Path:
+    """The test's configuration with its run root (and `buffer.tables_root`) under `root`."""
     root.mkdir(parents=True, exist_ok=True)
     file = root / "config.yaml"
-    file.write_text(yaml.safe_dump(merge(TINY, {**SETTINGS, "run_root": str(root / "run")})))
+    settings = merge(TINY, {**SETTINGS, "run_root": str(root / "run")})
+    if tables_root is not None:
+        settings = merge(settings, {"buffer": {"tables_root": tables_root}})
+    file.write_text(yaml.safe_dump(settings))
     return file
 
 
@@ -70,8 +73,13 @@ def final_weights(paths: RunPaths) -> bytes:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """Final weights of the configuration trained by `trinity-dagster run`."""
-    config_file = write_config(tmp_path_factory.mktemp("reference"))
+    """Final weights of the configuration trained by `trinity-dagster run`.
+
+    Its Delta tables live outside the run root, under a file:// URI: every process of the
+    loop (explorer, trainer, engine) must find them there, and the weights cannot depend on it.
+    """
+    base = tmp_path_factory.mktemp("reference")
+    config_file = write_config(base, tables_root=(base / "tables").as_uri())
     command = [str(Path(sys.executable).parent / "trinity-dagster"), "run", "-c", str(config_file)]
     done = subprocess.run(
         command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=LOOP_TIMEOUT_S
@@ -80,6 +88,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     paths = RunPaths.of(load_config(config_file).run_root)
     summary = json.loads((paths.root / "summary.json").read_text())
     assert summary["steps"] == TOTAL_STEPS and summary["hf_model"], summary
+    for table in ("experiences", "batches"):
+        assert (base / "tables" / table / "_delta_log").is_dir(), table
+        assert not (paths.root / table).exists(), table
     return final_weights(paths)
 
 

@@ -107,7 +107,7 @@ def _manage(action: str, config: TrinityConfig) -> int:
         stop_service,
     )
 
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     if action == "stop":
         stopped = stop_service(paths)
         print("engine service stopped" if stopped else f"no engine service for {paths.root}")

@@ -60,7 +60,7 @@ def find_workspace(workspace: str | Path | None) -> Path:
 
 def prepare_instance(config: TrinityConfig) -> Path:
     """Write the run's config and instance settings; point this process's Dagster at them."""
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     paths.root.mkdir(parents=True, exist_ok=True)
     config_file = paths.root / "config.yaml"
     config_file.write_text(config.to_yaml())
@@ -85,7 +85,7 @@ def extend_finished_run(paths: RunPaths, total_steps: int) -> bool:
 
 def dagster_dev_command(config: TrinityConfig, config_file: Path, workspace: Path) -> str:
     """The command that opens this run's instance in the Dagster UI."""
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     return (
         f"cd {workspace.parent} && DAGSTER_HOME={paths.dagster_home} "
         f"{CONFIG_ENV_VAR}={config_file} {Path(sys.executable).parent / 'dagster'} dev "
@@ -130,7 +130,7 @@ class Progress:
         self.dg = dg
         self.instance = instance
         self.config = config
-        self.paths = RunPaths.of(config.run_root)
+        self.paths = RunPaths.of_config(config)
         self.cursors: dict[str, str | None] = {"rollouts": None, "train_step": None}
         self.reported_failures: set[str] = set()
 
@@ -228,14 +228,14 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     """Train to the end through the Dagster daemon; write and return `summary.json`."""
     workspace_file = find_workspace(workspace)
     config_file = prepare_instance(config)
-    if extend_finished_run(RunPaths.of(config.run_root), config.trainer.total_steps):
+    if extend_finished_run(RunPaths.of_config(config), config.trainer.total_steps):
         print("trinity-dagster: extending a run that had stopped early", flush=True)
     import dagster as dg
 
     from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
     from trinity_dagster.service.launcher import stop_service
 
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     total = config.trainer.total_steps
     started = time.perf_counter()
     print(

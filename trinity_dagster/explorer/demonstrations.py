@@ -32,7 +32,7 @@ DEMONSTRATION_EXPLORER_ID = "demonstrations"
 
 def run_tokenizer(config: TrinityConfig) -> PreTrainedTokenizerBase:
     """The run's tokenizer: `paths.tokenizer` if saved, else `model.path`'s or the built-in one."""
-    saved = RunPaths.of(config.run_root).tokenizer
+    saved = RunPaths.of_config(config).tokenizer
     if (saved / "tokenizer_config.json").is_file():
         return load_tokenizer(saved)
     if config.model.path is not None:

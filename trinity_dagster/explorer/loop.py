@@ -61,7 +61,7 @@ class ExplorerLoop:
         on_step: Callable[[int, dict[str, Any]], None] = lambda step, metadata: None,
     ) -> None:
         self.config = config
-        self.paths = RunPaths.of(config.run_root)
+        self.paths = RunPaths.of_config(config)
         self.explorer_id = explorer_id
         self.on_step = on_step
         create_initial_model(config, self.paths)

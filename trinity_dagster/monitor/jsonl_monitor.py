@@ -21,7 +21,7 @@ class JsonlMonitor(Monitor):
     """Appends `{"step": N, "metrics": {...}}` per step; a resumed run appends after it."""
 
     def __init__(self, config: TrinityConfig) -> None:
-        path = metrics_file(RunPaths.of(config.run_root))
+        path = metrics_file(RunPaths.of_config(config))
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
 

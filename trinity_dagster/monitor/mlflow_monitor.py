@@ -45,7 +45,7 @@ class MlflowMonitor(Monitor):
     """Logs the run to an MLflow tracking store."""
 
     def __init__(self, config: TrinityConfig) -> None:
-        self._paths = RunPaths.of(config.run_root)
+        self._paths = RunPaths.of_config(config)
         uri = config.monitor.mlflow_tracking_uri
         artifact_location = None
         if uri is None:

@@ -29,7 +29,7 @@ class TensorBoardMonitor(Monitor):
     """One event per train step holding its numeric metrics; each start adds an event file."""
 
     def __init__(self, config: TrinityConfig) -> None:
-        self._writer = EventFileWriter(str(tensorboard_dir(RunPaths.of(config.run_root))))
+        self._writer = EventFileWriter(str(tensorboard_dir(RunPaths.of_config(config))))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         values = [

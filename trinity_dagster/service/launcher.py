@@ -199,7 +199,7 @@ def join_service(config: TrinityConfig, config_file: Path, node_rank: int | None
 
 def start_service(config: TrinityConfig) -> ServiceState:
     """The running service of this run, started if none answers."""
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     with _start_lock(paths):
         state = live_service(paths)
         if state is not None:
@@ -278,7 +278,7 @@ def _log_tail(log: Path, offset: int, lines: int = 40) -> str:
 
 def connect(config: TrinityConfig, *, autostart: bool = True) -> EngineClient:
     """A client of this run's service, starting the service first if allowed and needed."""
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     found = start_service(config) if autostart else find_service(paths)
     if isinstance(found, SilentService):
         raise EngineUnreachable(

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--config", required=True)
     args = parser.parse_args(argv)
     config = load_config(args.config)
-    paths = RunPaths.of(config.run_root)
+    paths = RunPaths.of_config(config)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=config.monitor.log_level,
