@@ -8,11 +8,18 @@ response is first cut at the first `<eos>`, any `<pad>` is dropped, and it is st
   digit for numbers); credit = (positions where both agree) / (length of the longer one).
   It is 1.0 exactly when the response equals the answer, 0.0 for an empty response, and
   e.g. 0.5 for `"17"` against `"27"` and 2/3 for `"27"` against `"127"`.
+- `math_verify`: 1.0 if Hugging Face's `math-verify` finds the response's final answer
+  mathematically equal to the reference answer (`\\boxed{...}` preferred, else the last
+  expression; fractions, decimals, LaTeX and equivalent forms compare by value), else 0.0.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
 
 EOS_TEXT = "<eos>"
 PAD_TEXT = "<pad>"
@@ -40,9 +47,57 @@ def partial_credit(response: str, answer: str) -> float:
     return agree / longest
 
 
+# math-verify bounds its parsing and comparison with SIGALRM, which only the main thread
+# may set; elsewhere it runs without a time limit (responses are at most
+# model.max_response_tokens long), and its warning about that, on every call, is dropped.
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def _math_timeout() -> int | None:
+    return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _not_timeout_disabled(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_not_timeout_disabled)
+
+
+@lru_cache(maxsize=4096)
+def _parse_reference(answer: str, timeout: int | None) -> tuple[Any, ...]:
+    """The reference answer as math-verify's parse: as written, else read as LaTeX math."""
+    from math_verify import parse
+
+    parsed = parse(answer, parsing_timeout=timeout) or parse(f"${answer}$", parsing_timeout=timeout)
+    if not parsed:
+        raise ValueError(
+            f"math_verify: cannot read the reference answer {answer!r} as math; write it as "
+            "a number, a fraction or LaTeX (e.g. 3/4, 0.75, \\frac{3}{4})"
+        )
+    return tuple(parsed)
+
+
+def math_verify(response: str, answer: str) -> float:
+    """1.0 if the response's final answer equals the reference answer mathematically.
+
+    An unreadable reference answer raises ValueError; an unreadable response scores 0.0.
+    """
+    from math_verify import parse, verify
+
+    timeout = _math_timeout()
+    reference = list(_parse_reference(answer.strip(), timeout))
+    predicted = parse(clean_response(response), parsing_timeout=timeout)
+    if not predicted:
+        return 0.0
+    return 1.0 if verify(reference, predicted, timeout_seconds=timeout) else 0.0
+
+
 REWARD_FNS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "partial_credit": partial_credit,
+    "math_verify": math_verify,
 }
 
 

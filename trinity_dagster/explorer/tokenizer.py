@@ -15,7 +15,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-CHARSET = string.digits + "+-*/=?" + " " + string.ascii_letters + ".,:;!'()"
+_BASE_CHARSET = string.digits + "+-*/=?" + " " + string.ascii_letters + ".,:;!'()"
+# Every printable ASCII character: the rest of the punctuation comes after the first set,
+# so those ids are unchanged; `\`, `{`, `}` and `$` let math answers such as \boxed{...} through.
+CHARSET = _BASE_CHARSET + "".join(c for c in string.punctuation if c not in _BASE_CHARSET)
 
 
 def unknown_chars(text: str) -> list[str]:
