@@ -66,6 +66,11 @@ class ExplorerLoop:
         self.on_step = on_step
         create_initial_model(config, self.paths)
         self.explorer = Explorer(config, self.paths, explorer_id)
+        # one writer for the whole loop: it reads each data file's eids once, not every step
+        self._writing_version = 0
+        self._writer = ExperienceWriter(
+            config, known_versions=lambda: set(range(self._writing_version + 1))
+        )
         self._started_at = time.time()
 
     def run(self, first: int, last: int, done: Collection[int] = ()) -> str:
@@ -109,9 +114,8 @@ class ExplorerLoop:
             marks.append(time.perf_counter())
             rows = self.explorer.explore(step, version)
         marks.append(time.perf_counter())
-        report = ExperienceWriter(config, known_versions=lambda: set(range(version + 1))).write(
-            rows
-        )
+        self._writing_version = version
+        report = self._writer.write(rows)
         marks.append(time.perf_counter())
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
             raise ValueError(
