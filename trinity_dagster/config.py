@@ -234,7 +234,12 @@ class TrainerConfig(_Section):
     save_interval: int = Field(default=20, ge=0, description="0: only the final save.")
     save_hf_checkpoint: Literal["always", "last", "never"] = "last"
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
-    micro_batch_size: int = Field(default=8, ge=1)
+    micro_batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Rows per forward/backward pass; a per-rank batch of fewer rows is one "
+        "micro-batch.",
+    )
     sequence_packing: bool = Field(
         default=False,
         description=(
@@ -487,7 +492,8 @@ class TrinityConfig(_Section):
                 f"({self.algorithm.repeat_times}) while buffer.batch_unit is 'groups'",
             )
         per_rank, rest = divmod(self.buffer.train_batch_size, self.megatron.data_parallel_size)
-        if rest or per_rank % self.trainer.micro_batch_size:
+        micro = self.trainer.micro_batch_size
+        if rest or (micro < per_rank and per_rank % micro):
             raise _at(
                 "trainer.micro_batch_size",
                 f"{self.trainer.micro_batch_size} does not divide the per-rank batch "

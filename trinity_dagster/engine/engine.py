@@ -166,7 +166,7 @@ class TrainEngine:
             model=[self.model],
             num_microbatches=len(micro_batches),
             seq_length=max(int(mb["tokens"].shape[1]) for mb in micro_batches),
-            micro_batch_size=self.config.trainer.micro_batch_size,
+            micro_batch_size=int(micro_batches[0]["tokens"].shape[0]),
             forward_only=False,
         )
         summed = torch.stack(outputs).sum(dim=0)
