@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from trinity_dagster.checkpoint.layout import published_weights_dir
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.explorer.demonstrations import demonstration_rows
-from trinity_dagster.explorer.evaluation import evaluate, score_responses
+from trinity_dagster.explorer.evaluation import evaluate, score_responses, wilson_interval
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.explorer.policy import load_policy
@@ -37,12 +38,40 @@ def test_score_responses_by_hand() -> None:
     tasks = [Task("a", "1+1=", "2"), Task("b", "9+9=", "18"), Task("c", "5-9=", "-4")]
     responses = ["2<eos>", "28<eos><pad>", " -4 <eos>"]
     metrics = score_responses("hand", tasks, responses, partial_credit)
+    low, high = wilson_interval(2, 3)
     assert metrics == {
         "eval/hand/accuracy": pytest.approx(2 / 3),
+        "eval/hand/accuracy/ci95_low": pytest.approx(low),
+        "eval/hand/accuracy/ci95_high": pytest.approx(high),
         "eval/hand/reward/mean": pytest.approx((1 + 0.5 + 1) / 3),
+        "eval/hand/tasks": 3.0,
     }
     with pytest.raises(ValueError, match="one response per task"):
         score_responses("hand", tasks, responses[:2], exact_match)
+
+
+@pytest.mark.parametrize(
+    ("successes", "n", "low", "high"),
+    [
+        # Wilson score intervals at z = 1.96, worked out by hand from the formula
+        (0, 10, 0.0, 0.27753),
+        (5, 10, 0.23659, 0.76341),
+        (10, 10, 0.72247, 1.0),
+        (100, 500, 0.16729, 0.23729),
+        (250, 500, 0.45634, 0.54366),
+    ],
+)
+def test_wilson_interval(successes: int, n: int, low: float, high: float) -> None:
+    assert wilson_interval(successes, n) == (
+        pytest.approx(low, abs=1e-5),
+        pytest.approx(high, abs=1e-5),
+    )
+
+
+def test_wilson_interval_refuses_impossible_counts() -> None:
+    for successes, n in ((1, 0), (-1, 5), (6, 5)):
+        with pytest.raises(ValueError, match="successes"):
+            wilson_interval(successes, n)
 
 
 def test_demonstration_rows(tmp_path: Path) -> None:
@@ -59,7 +88,8 @@ def test_demonstration_rows(tmp_path: Path) -> None:
         response = row["tokens"][row["prompt_length"] :]
         assert tok.decode(row["tokens"][: row["prompt_length"]]) == "<bos>" + info["prompt"]
         assert tok.decode(response) == info["answer"] + "<eos>"
-        assert info["answer"] == str(eval(info["prompt"][:-1], {"__builtins__": {}}))
+        expression = re.sub(r"\b0+(\d)", r"\1", info["prompt"][:-1])  # "08+57" -> "8+57"
+        assert info["answer"] == str(eval(expression, {"__builtins__": {}}))
         assert row["logprobs"] == [0.0] * len(response)
         assert row["action_mask"] == [True] * len(response)
         assert row["reward"] == 1.0 and row["model_version"] == 2
@@ -135,9 +165,13 @@ def test_a_model_trained_on_the_answers_scores_one(
     trained_run: tuple[TrinityConfig, RunPaths],
 ) -> None:
     cfg, paths = trained_run
+    low, _ = wilson_interval(5, 5)
     assert evaluate(cfg, paths, version=1) == {
         "eval/mine/accuracy": 1.0,
+        "eval/mine/accuracy/ci95_low": pytest.approx(low),
+        "eval/mine/accuracy/ci95_high": 1.0,
         "eval/mine/reward/mean": 1.0,
+        "eval/mine/tasks": 5.0,
     }
     assert evaluate(cfg, paths, version=0)["eval/mine/accuracy"] == 0.0
 
@@ -158,10 +192,9 @@ def test_evaluate_matches_transformers_greedy_generate(
     accuracy = sum(exact_match(r, t.answer) for r, t in pairs) / 4
     reward = sum(partial_credit(r, t.answer) for r, t in pairs) / 4
     assert 0.5 <= accuracy < 1.0  # learned the first three, not the fourth
-    assert metrics == {
-        "eval/mine/accuracy": pytest.approx(accuracy),
-        "eval/mine/reward/mean": pytest.approx(reward),
-    }
+    assert metrics["eval/mine/accuracy"] == pytest.approx(accuracy)
+    assert metrics["eval/mine/reward/mean"] == pytest.approx(reward)
+    assert metrics["eval/mine/tasks"] == 4
 
 
 def test_explorer_rollouts_of_a_trained_model_end_at_eos(

@@ -243,7 +243,6 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     )
     instance = dg.DagsterInstance.get()
     progress = Progress(instance, config)
-    eval_key = f"eval/{config.explorer.eval_taskset}/accuracy"
     daemon = start_daemon(paths, workspace_file)
     try:
         final_eval = _watch(progress, daemon, paths)
@@ -252,8 +251,13 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
         stop_service(paths)
     state = read_trainer_state(paths)
     assert state is not None
-    initial_eval = progress.evaluation(0) or {}
-    rewards = [reward for _, reward, demo in progress.rollout_rewards() if not demo]
+    evaluations = {"start": progress.evaluation(0) or {}, "end": final_eval}
+    warmup = config.trainer.sft_warmup_steps
+    if 0 < warmup < state.step:
+        evaluations["sft"] = progress.evaluation(warmup) or {}
+    accuracy = held_out_accuracy(config, evaluations)
+    rollouts = [(step, reward) for step, reward, demo in progress.rollout_rewards() if not demo]
+    rewards = [reward for _, reward in rollouts]
     window = max(1, min(5, len(rewards) // 2))
     final_step = latest_checkpoint_step(paths)
     final_ckpt = checkpoint_dir(paths, final_step) if final_step is not None else None
@@ -264,8 +268,8 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
         "reward_first": fmean(rewards[:window]) if rewards else None,
         "reward_last": fmean(rewards[-window:]) if rewards else None,
         "reward_window": window,
-        "accuracy_start": initial_eval.get(eval_key),
-        "accuracy_end": final_eval.get(eval_key),
+        **accuracy,
+        "rollout_reward": {str(step): reward for step, reward in rollouts},
         "final_checkpoint": str(final_ckpt) if final_ckpt else None,
         "hf_model": str(hf_model) if hf_model and (hf_model / "config.json").is_file() else None,
         "dagster_home": str(paths.dagster_home),
@@ -280,7 +284,7 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
                 f"done in {summary['seconds']:.0f} s: {state.step} steps ({state.reason})",
                 f"rollout reward: first {window} RL steps {summary['reward_first']} -> "
                 f"last {window} {summary['reward_last']}",
-                f"held-out accuracy: {summary['accuracy_start']} -> {summary['accuracy_end']}",
+                *accuracy_lines(summary),
                 f"final checkpoint: {summary['final_checkpoint']}",
                 f"HF model: {summary['hf_model']}",
                 f"summary: {paths.root / 'summary.json'}",
@@ -291,6 +295,43 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
         flush=True,
     )
     return summary
+
+
+def held_out_accuracy(
+    config: TrinityConfig, evaluations: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """`accuracy_<when>` and `accuracy_<when>_ci95` ([low, high]) from the evaluation
+    metadata of each point (start, sft, end), and `eval_tasks`, the held-out set's size."""
+    from trinity_dagster.explorer.tasks import taskset_name
+
+    prefix = f"eval/{taskset_name(config.explorer.eval_taskset)}"
+    out: dict[str, Any] = {}
+    for when in ("start", "sft", "end"):
+        meta = evaluations.get(when)
+        if meta is None:
+            continue
+        out[f"accuracy_{when}"] = meta.get(f"{prefix}/accuracy")
+        interval = [meta.get(f"{prefix}/accuracy/ci95_{end}") for end in ("low", "high")]
+        out[f"accuracy_{when}_ci95"] = interval if None not in interval else None
+        if f"{prefix}/tasks" in meta:
+            out["eval_tasks"] = int(meta[f"{prefix}/tasks"])
+    return out
+
+
+def accuracy_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's held-out accuracies, one line each, with their 95% intervals."""
+    lines = []
+    names = {"start": "before training", "sft": "after SFT", "end": "after RL"}
+    for when, name in names.items():
+        if f"accuracy_{when}" not in summary:
+            continue
+        value, interval = summary[f"accuracy_{when}"], summary[f"accuracy_{when}_ci95"]
+        ci = f" (95% CI {interval[0]:.3f}-{interval[1]:.3f})" if interval else ""
+        shown = f"{value:.3f}" if value is not None else "not recorded"
+        lines.append(f"held-out accuracy {name}: {shown}{ci}")
+    if "eval_tasks" in summary:
+        lines.append(f"  (greedy, {summary['eval_tasks']} held-out tasks)")
+    return lines
 
 
 def _watch(progress: Progress, daemon: subprocess.Popen, paths: RunPaths) -> dict[str, Any]:
