@@ -5,7 +5,8 @@ same loss math (GRPO advantages, PPO-clip, token-mean, entropy as a metric, grad
 on the same random model, sizes and batches. Both run in this process, alternating step by
 step after warm-up; each side's fastest measured step counts (the machine is shared). The
 last line printed is one JSON object with the figures: the benchmark size; under `small`
-(ratio also as `small_ratio`) the demo model at batch 64, micro-batch 8; under `packed`
+(ratio also as `small_ratio`) a small model of the demo's width and depth at batch 64,
+micro-batch 8, where fixed costs per call weigh most; under `packed`
 (ratio also as `packed_ratio`) the benchmark size with rollout-like row lengths (about half
 the positions real), the engine packing its micro-batches against the plain loop padding
 each micro-batch to its longest row, in real (effective) tokens/s.
@@ -89,8 +90,9 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-# The demo model (trinity_dagster.config defaults: hidden 128, 2 layers, 4 heads / 2 KV groups,
-# ffn 352, prompt 24 + response 8 tokens, the demo tokenizer's 81 ids), batch 64, micro 8.
+# A small model of the demo's width and depth (hidden 128, 2 layers, 4 heads / 2 KV groups,
+# ffn 352, prompt 24 + response 8 tokens, 81 ids), batch 64, micro-batch 8: a step of many
+# small calls, where fixed costs per call weigh most.
 SMALL_CASE = {
     "hidden": 128,
     "ffn": 352,

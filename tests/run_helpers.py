@@ -33,6 +33,13 @@ TINY: dict[str, Any] = {
         "micro_batch_size": 4,
         "sft_warmup_steps": 0,
     },
+    # the single-digit task sets keep the tests' rollouts and evaluations small
+    "explorer": {
+        "taskset": "addition",
+        "eval_taskset": "addition_eval",
+        "tasks_per_step": 8,
+        "eval_tasks": 16,
+    },
     "service": {"idle_timeout_s": 900, "start_timeout_s": 240, "request_timeout_s": 600},
     "dagster": {"sensor_interval_s": 1},
 }

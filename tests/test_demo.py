@@ -14,19 +14,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trinity_dagster.explorer.tasks import load_taskset
 
 REPO = Path(__file__).resolve().parents[1]
-# The demo exactly as `make demo` runs it: 40 SFT steps, then 40 GRPO steps, seed 42.
-STEPS = 80
-# Rollout reward of GRPO's first 5 steps vs its last 5 (320 sampled answers each). With a
-# fixed seed the run is deterministic on this platform; the margin guards the claim rather
-# than noise: a window of 320 draws near p=0.2 has a standard deviation of about 0.022, so a
-# policy that stopped learning would rise by less than 0.04 (about 1.3 sigma of the
-# difference) in nearly all runs. Measured rise: about 0.08 through the old in-process driver,
-# 0.0375 (0.1875 -> 0.225) through the daemon, whose explorer writes the SFT demonstrations
-# without waiting for weights; the margin is 0.03 until the demo task is redone (it is too
-# flat to show RL clearly either way).
-MIN_REWARD_RISE = 0.03
-# Held-out: 22 additions never trained on, greedy. After 40 SFT steps the tiny model gets a
-# few of them right (measured: 2-7); before training it gets none.
+# The demo exactly as `make demo` runs it: 175 SFT steps, then 275 GRPO steps, seed 42:0.
+STEPS = 450
+SFT_STEPS = 175
+# What GRPO must add over the SFT checkpoint (issue 15): +0.15 held-out greedy accuracy with
+# disjoint 95% Wilson intervals (500 problems: each interval is about +-0.04 wide), and +0.15
+# rollout reward from the first 5 GRPO steps to the last 5 (1280 sampled answers each). With
+# the seed fixed the run is deterministic on this platform. Measured on it: accuracy 0.054 ->
+# 0.372, reward 0.053 -> 0.216; docs/demo.md shows three seeds (all clear the accuracy margin,
+# not all the reward margin).
+MIN_ACCURACY_GAIN = 0.15
+MIN_REWARD_RISE = 0.15
+MIN_HELD_OUT = 200
 
 
 @pytest.mark.slow
@@ -50,8 +49,14 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     assert "dagster dev -w workspace.yaml" in done.stdout
     summary = json.loads((root / "summary.json").read_text())
     assert summary["steps"] == STEPS
+    assert summary["eval_tasks"] >= MIN_HELD_OUT
+    assert summary["accuracy_sft"] > summary["accuracy_start"], summary
+    assert summary["accuracy_end"] - summary["accuracy_sft"] >= MIN_ACCURACY_GAIN, summary
+    assert summary["accuracy_end_ci95"][0] > summary["accuracy_sft_ci95"][1], summary
     assert summary["reward_last"] - summary["reward_first"] >= MIN_REWARD_RISE, summary
-    assert summary["accuracy_end"] > summary["accuracy_start"], summary
+    assert min(map(int, summary["rollout_reward"])) == SFT_STEPS + 1  # GRPO steps only
+    for line in ("held-out accuracy after SFT", "held-out accuracy after RL", "95% CI"):
+        assert line in done.stdout
 
     for name in ("dagster_home", "experiences", "batches", "checkpoints", "weights", "logs"):
         assert (root / name).is_dir(), name
@@ -71,14 +76,14 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     correct = 0
-    held_out = load_taskset("addition_eval", 0).tasks
+    held_out = load_taskset("two_digit_addition_eval", 0).tasks
+    assert len(held_out) == summary["eval_tasks"]
     for task in held_out:
         ids = tokenizer(task.prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=4, do_sample=False)
         answer = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
         correct += answer == task.answer
-    assert correct >= 1
-    # transformers' own greedy decoding agrees with the demo's evaluation (one task of slack
-    # for an argmax tie decided differently)
-    assert abs(correct / len(held_out) - summary["accuracy_end"]) <= 1 / len(held_out)
+    # transformers' own greedy decoding agrees with the demo's evaluation (1% of slack for
+    # argmax ties decided differently)
+    assert abs(correct / len(held_out) - summary["accuracy_end"]) <= 0.01

@@ -58,7 +58,11 @@ class ModelConfig(_Section):
     max_position_embeddings: int = Field(default=64, ge=8)
     rope_theta: float = Field(default=10000.0, gt=0)
     rms_norm_eps: float = Field(default=1e-6, gt=0)
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = Field(
+        default=False,
+        description="Share the input embedding with the output layer (the demo learns its "
+        "task sooner untied).",
+    )
     max_prompt_tokens: int = Field(default=24, ge=1)
     max_response_tokens: int = Field(default=8, ge=1)
 
@@ -176,7 +180,7 @@ class BufferConfig(_Section):
         description="Where the Delta tables experiences/, batches/ and quarantine/ live: a "
         "directory or a file:// URI; None: the run root.",
     )
-    train_batch_size: int = Field(default=64, ge=1, description="Experiences per train step.")
+    train_batch_size: int = Field(default=256, ge=1, description="Experiences per train step.")
     batch_unit: Literal["rows", "groups"] = Field(
         default="groups", description="Pin whole GRPO groups, or single rows."
     )
@@ -216,7 +220,7 @@ class OptimConfig(_Section):
     """Optimizer and learning-rate schedule of the actor."""
 
     optimizer: Literal["adam", "adamw"] = "adamw"
-    lr: float = Field(default=1e-4, gt=0)
+    lr: float = Field(default=5e-5, gt=0)
     min_lr: float = Field(default=0.0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     lr_warmup_steps: int = Field(default=0, ge=0)
@@ -230,12 +234,12 @@ class OptimConfig(_Section):
 class TrainerConfig(_Section):
     """The training loop: steps, checkpoints, micro-batching, seed."""
 
-    total_steps: int = Field(default=80, ge=1)
-    save_interval: int = Field(default=20, ge=0, description="0: only the final save.")
+    total_steps: int = Field(default=450, ge=1)
+    save_interval: int = Field(default=100, ge=0, description="0: only the final save.")
     save_hf_checkpoint: Literal["always", "last", "never"] = "last"
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
     micro_batch_size: int = Field(
-        default=8,
+        default=128,
         ge=1,
         description="Rows per forward/backward pass; a per-rank batch of fewer rows is one "
         "micro-batch.",
@@ -250,10 +254,10 @@ class TrainerConfig(_Section):
     seed: int = 42
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sft_warmup_steps: int = Field(
-        default=40, ge=0, description="Steps of SFT on demonstrations before RL (demo)."
+        default=175, ge=0, description="Steps of SFT on demonstrations before RL (demo)."
     )
     sft_lr: float | None = Field(
-        default=3e-3,
+        default=1e-3,
         gt=0,
         description="Learning rate of the SFT warm-up steps; None: the schedule's (optim.lr).",
     )
@@ -298,13 +302,21 @@ class MegatronConfig(_Section):
 class ExplorerConfig(_Section):
     """The built-in explorer: task source, reward, sampling and evaluation."""
 
-    taskset: str = Field(default="addition", description="A registered task set, or a JSONL path.")
-    eval_taskset: str = Field(default="addition_eval")
+    taskset: str = Field(
+        default="two_digit_addition", description="A registered task set, or a JSONL path."
+    )
+    eval_taskset: str = Field(default="two_digit_addition_eval")
     reward_fn: str = Field(default="exact_match")
-    tasks_per_step: int = Field(default=8, ge=1)
-    eval_tasks: int = Field(default=64, ge=1)
+    tasks_per_step: int = Field(default=32, ge=1)
+    eval_tasks: int = Field(default=500, ge=1)
     temperature: float = Field(default=1.0, gt=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Nucleus sampling of rollouts: only the most likely tokens that make up "
+        "this share of the probability are drawn.",
+    )
     seed: int = 0
 
 

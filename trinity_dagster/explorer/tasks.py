@@ -1,9 +1,15 @@
 """Task sets by name: built-in integer arithmetic (train and held-out eval) and JSONL files.
 
-`arithmetic` and `arithmetic_eval` split one fixed universe of problems (`a+b=` and `a-b=` with
-0 <= a, b < 20, `a*b=` with 0 <= a, b < 10) by a hash of the problem text, so they are disjoint
-whatever the seed; the seed only orders the tasks. A JSONL task file holds one
-`{"task_id"?: str, "prompt": str, "answer": str}` object per line.
+Each built-in pair splits one fixed universe of problems by a hash of the problem text, so
+the training set and its held-out set are disjoint whatever the seed; the seed only orders
+the tasks.
+- `two_digit_addition` / `_eval` (the demo's task): `ab+cd=` for two operands 00..99 written
+  with two digits each; the 500 problems of smallest sha256 are held out.
+- `arithmetic` / `_eval`: `a+b=` and `a-b=` with 0 <= a, b < 20, `a*b=` with 0 <= a, b < 10;
+  about 20% held out.
+- `addition` / `_eval`: single-digit `a+b=`; about 20% held out (small, for unit tests).
+
+A JSONL task file holds one `{"task_id"?: str, "prompt": str, "answer": str}` object per line.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from pathlib import Path
 ADD_SUB_OPERANDS = range(20)
 MUL_OPERANDS = range(10)
 EVAL_SHARE_PERCENT = 20
+TWO_DIGIT_OPERANDS = range(100)
+TWO_DIGIT_HELD_OUT = 500
 
 
 class TaskSetError(ValueError):
@@ -74,9 +82,12 @@ def _arithmetic_problems() -> list[Task]:
     return [Task(f"{a}{op}{b}", f"{a}{op}{b}=", str(results[op](a, b))) for a, op, b in problems]
 
 
+def _digest(task: Task) -> bytes:
+    return hashlib.sha256(task.task_id.encode()).digest()
+
+
 def _is_held_out(task: Task) -> bool:
-    digest = hashlib.sha256(task.task_id.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < EVAL_SHARE_PERCENT
+    return int.from_bytes(_digest(task)[:4], "big") % 100 < EVAL_SHARE_PERCENT
 
 
 def _shuffled(name: str, tasks: list[Task], seed: int) -> TaskSet:
@@ -110,7 +121,30 @@ def addition_eval(seed: int) -> TaskSet:
     return _shuffled("addition_eval", tasks, seed)
 
 
+def _two_digit_addition_split() -> tuple[list[Task], list[Task]]:
+    """(training, held-out): the `TWO_DIGIT_HELD_OUT` problems of smallest sha256 held out."""
+    problems = [
+        Task(f"{a:02d}+{b:02d}", f"{a:02d}+{b:02d}=", str(a + b))
+        for a in TWO_DIGIT_OPERANDS
+        for b in TWO_DIGIT_OPERANDS
+    ]
+    by_digest = sorted(problems, key=_digest)
+    return by_digest[TWO_DIGIT_HELD_OUT:], by_digest[:TWO_DIGIT_HELD_OUT]
+
+
+def two_digit_addition(seed: int) -> TaskSet:
+    """The training split of the two-digit additions (the demo's task), ordered by `seed`."""
+    return _shuffled("two_digit_addition", _two_digit_addition_split()[0], seed)
+
+
+def two_digit_addition_eval(seed: int) -> TaskSet:
+    """The 500 held-out two-digit additions, ordered by `seed`."""
+    return _shuffled("two_digit_addition_eval", _two_digit_addition_split()[1], seed)
+
+
 TASKSETS: dict[str, Callable[[int], TaskSet]] = {
+    "two_digit_addition": two_digit_addition,
+    "two_digit_addition_eval": two_digit_addition_eval,
     "arithmetic": arithmetic,
     "arithmetic_eval": arithmetic_eval,
     "addition": addition,
