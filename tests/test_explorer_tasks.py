@@ -48,6 +48,21 @@ def test_held_out_split_is_disjoint_and_covers_all_problems() -> None:
     assert 0.1 < len(held_out) / (len(train) + len(held_out)) < 0.3
 
 
+def test_two_digit_addition_holds_out_a_fixed_500_of_all_10000() -> None:
+    train = load_taskset("two_digit_addition", seed=1)
+    held_out = load_taskset("two_digit_addition_eval", seed=2)
+    assert (len(train), len(held_out)) == (9500, 500)
+    prompts = {t.prompt for t in train} | {t.prompt for t in held_out}
+    assert prompts == {f"{a:02d}+{b:02d}=" for a in range(100) for b in range(100)}
+    assert {t.prompt for t in load_taskset("two_digit_addition_eval", seed=7)} == {
+        t.prompt for t in held_out
+    }  # the seed orders the held-out set, it does not choose it
+    for task in [*train.tasks[:200], *held_out]:
+        a, b = task.prompt[:-1].split("+")
+        assert task.answer == str(int(a) + int(b))
+        assert len(task.prompt) + 1 <= 24 and len(task.answer) + 1 <= 8  # the demo's lengths
+
+
 def test_sample_is_deterministic_without_replacement_and_cycles() -> None:
     taskset = load_taskset("arithmetic_eval", seed=0)
     first = taskset.sample(10, random.Random(7))
