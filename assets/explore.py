@@ -5,8 +5,7 @@ A run of `rollouts` over explore steps a..b runs the built-in explorer loop
 experiences, appends them to the `experiences` table and logs `rollouts[E]` with the weights
 version, so lineage shows which weights produced which experiences. During the SFT warm-up
 (`trainer.sft_warmup_steps`) it writes demonstrations. A retried run skips recorded steps.
-`evaluation[N]` scores weights version N on the held-out task set with greedy decoding; the
-explorer loop records `evaluation[sft_warmup_steps]` itself when RL starts with those weights.
+`evaluation[N]` scores weights version N on the held-out task set with greedy decoding.
 The explorer (torch, transformers) is imported inside the assets, never at load time.
 """
 
@@ -49,15 +48,11 @@ def rollouts(
     def log_step(step: int, metadata: dict) -> None:
         context.log_event(step_materialization(ROLLOUTS, step, metadata))
 
-    def log_evaluation(version: int, metrics: dict[str, float]) -> None:
-        metadata = {**metrics, "weights_version": version}
-        context.log_event(step_materialization(EVALUATION, version, metadata))
-
     steps = run_steps(context)
     done = {
         step_of(key) for key in context.instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
     }
-    loop = ExplorerLoop(run_config.config, on_step=log_step, on_evaluation=log_evaluation)
+    loop = ExplorerLoop(run_config.config, on_step=log_step)
     reason = loop.run(steps[0], steps[-1], done)
     context.log.info(f"explorer loop stopped: {reason}")
     yield from ()  # each step was logged as it finished; there is no output at the end

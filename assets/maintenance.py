@@ -5,6 +5,7 @@ import dagster as dg
 from resources.run_config import RunConfigResource, load_run_config
 from trinity_dagster.buffer.maintenance import compact, vacuum
 from trinity_dagster.checkpoint import retention
+from trinity_dagster.checkpoint.rules import sft_model_step
 
 _config = load_run_config()
 _STATUS = (
@@ -32,9 +33,13 @@ def maintain_delta_tables(context: dg.OpExecutionContext, run_config: RunConfigR
 
 @dg.op(description="Delete checkpoints beyond trainer.max_checkpoints_to_keep.")
 def prune_old_checkpoints(context: dg.OpExecutionContext, run_config: RunConfigResource) -> None:
-    """Retention counted from what is on disk; never the newest checkpoint that verifies."""
+    """Retention counted from what is on disk; never the newest checkpoint that verifies,
+    nor the SFT model's."""
+    config = run_config.config
     deleted = retention.prune_checkpoints(
-        run_config.paths, run_config.config.trainer.max_checkpoints_to_keep
+        run_config.paths,
+        config.trainer.max_checkpoints_to_keep,
+        keep_step=sft_model_step(config),
     )
     context.log.info(f"deleted checkpoints: {deleted or 'none'}")
 

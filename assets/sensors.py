@@ -6,7 +6,8 @@
 - `checkpoint_sensor`: records `checkpoint[N]`, `hf_model[N]` (and `synced_weights[N]`
   when the checkpoint's export serves as the sync) the moment a background save's manifest
   lands, without a run, holding no pool slot;
-- `evaluation_sensor`: once training finished, evaluates the initial and the final weights.
+- `evaluation_sensor`: once training finished, evaluates the initial weights, the SFT
+  warm-up's last (checkpointed) and the final weights.
 A run killed with its worker is retried by Dagster's run retries (see
 `trinity_dagster.dagster_instance`) or, if interrupted, started again by its sensor; a
 trainer run that failed on an error of the loop is not relaunched: the sensors then say why
@@ -35,6 +36,7 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trinity_dagster.checkpoint.rules import explore_steps_needed
+from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 from trinity_dagster.trainer.run_state import TrainerState, read_trainer_state
 
 _config = load_run_config()
@@ -293,22 +295,27 @@ def checkpoint_events(
     job=evaluation_job,
     minimum_interval_seconds=_INTERVAL,
     default_status=_STATUS,
-    description="Once training finished: evaluate the initial and the final weights.",
+    description=(
+        "Once training finished: evaluate the initial, the SFT warm-up's last and the final "
+        "weights."
+    ),
 )
 def evaluation_sensor(
     context: dg.SensorEvaluationContext, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Request `evaluation[0]` and `evaluation[v]` of the final weights, once each.
+    """Request `evaluation[v]` of the initial, the SFT warm-up's last and the final weights,
+    once each.
 
-    Both wait for the end of training, so they never take the CPU from the loop.
+    They wait for the end of training, so they never take the CPU from the loop.
     """
     if training_finished(run_config) is None:
         return dg.SkipReason("waiting for training to finish")
     published = latest_weights_version(run_config.paths) or 0
+    versions = versions_to_evaluate(run_config.config, run_config.paths, published)
     done = context.instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
-    wanted = [step_key(v) for v in sorted({0, published}) if step_key(v) not in done]
+    wanted = [step_key(v) for v in versions if step_key(v) not in done]
     if not wanted:
-        return dg.SkipReason("the initial and final weights are evaluated")
+        return dg.SkipReason(f"weights {versions} are evaluated")
     return dg.SensorResult(
         run_requests=[dg.RunRequest(run_key=f"eval-{key}", partition_key=key) for key in wanted],
         dynamic_partitions_requests=[step_partitions.build_add_request(wanted)],

@@ -1,5 +1,6 @@
 """Retention: counted from disk (survives restarts), never the newest complete checkpoint, one
-being written, or the one serving as published weights; partial leftovers are cleaned."""
+being written, the one serving as published weights or the SFT model; partial leftovers are
+cleaned."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from trinity_dagster.config import config_from_dict
 from trinity_dagster.paths import RunPaths
 
 
-def _manager(tmp_path: Path, keep: int | None, provider: TinyProvider) -> CheckpointManager:
-    config = config_from_dict(
-        {"run_root": str(tmp_path), "trainer": {"max_checkpoints_to_keep": keep}}
-    )
+def _manager(
+    tmp_path: Path, keep: int | None, provider: TinyProvider, sft_warmup_steps: int = 0
+) -> CheckpointManager:
+    trainer = {"max_checkpoints_to_keep": keep, "sft_warmup_steps": sft_warmup_steps}
+    config = config_from_dict({"run_root": str(tmp_path), "trainer": trainer})
     return CheckpointManager(config, RunPaths.of(tmp_path), provider)
 
 
@@ -54,6 +56,15 @@ def test_keeps_the_newest_k_across_a_restart(tmp_path: Path) -> None:
     _save_steps(manager, [4, 5])
     assert _on_disk(paths) == [(4, "final"), (5, "final")]
     assert latest_checkpoint_step(paths) == 5
+
+
+def test_the_sft_model_is_kept_and_not_counted(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    _save_steps(_manager(tmp_path, 2, TinyProvider(), sft_warmup_steps=2), [1, 2, 3, 4, 5])
+    assert _on_disk(paths) == [(2, "final"), (4, "final"), (5, "final")]
+    # the retention schedule keeps it too; without the warm-up it goes like any other
+    assert prune_checkpoints(paths, 2, keep_step=2) == []
+    assert prune_checkpoints(paths, 2) == [checkpoint_dir(paths, 2)]
 
 
 def test_partial_and_abandoned_dirs_older_than_the_newest_complete_are_removed(

@@ -48,12 +48,13 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "dagster dev -w workspace.yaml" in done.stdout
     summary = json.loads((root / "summary.json").read_text())
-    assert summary["steps"] == STEPS
-    assert summary["eval_tasks"] >= MIN_HELD_OUT
-    assert summary["accuracy_sft"] > summary["accuracy_start"], summary
-    assert summary["accuracy_end"] - summary["accuracy_sft"] >= MIN_ACCURACY_GAIN, summary
-    assert summary["accuracy_end_ci95"][0] > summary["accuracy_sft_ci95"][1], summary
-    assert summary["reward_last"] - summary["reward_first"] >= MIN_REWARD_RISE, summary
+    seen = f"{summary}\n{done.stdout[-3000:]}"  # what a failed assertion shows
+    assert summary["steps"] == STEPS, seen
+    assert summary["eval_tasks"] >= MIN_HELD_OUT, seen
+    assert summary["accuracy_sft"] > summary["accuracy_start"], seen
+    assert summary["accuracy_end"] - summary["accuracy_sft"] >= MIN_ACCURACY_GAIN, seen
+    assert summary["accuracy_end_ci95"][0] > summary["accuracy_sft_ci95"][1], seen
+    assert summary["reward_last"] - summary["reward_first"] >= MIN_REWARD_RISE, seen
     assert min(map(int, summary["rollout_reward"])) == SFT_STEPS + 1  # GRPO steps only
     for line in ("held-out accuracy after SFT", "held-out accuracy after RL", "95% CI"):
         assert line in done.stdout
@@ -62,6 +63,9 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
         assert (root / name).is_dir(), name
     for marker in ("latest_checkpointed_iteration.txt", "latest_state_dict_iteration.txt"):
         assert (root / "checkpoints" / marker).read_text().strip() == str(STEPS)
+    # the SFT model is kept, with its HF export, beside the periodic and the final checkpoints
+    sft_model = root / "checkpoints" / f"global_step_{SFT_STEPS}" / "huggingface"
+    assert (sft_model / "config.json").is_file()
 
     # every experience came from a version of the weights that was published to explorers
     with dg.DagsterInstance.from_config(str(root / "dagster_home")) as instance:

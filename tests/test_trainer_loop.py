@@ -164,6 +164,7 @@ def make_config(
     save_hf_checkpoint: str = "last",
     sync_style: str = "fixed",
     read_timeout_s: float = 30.0,
+    sft_warmup_steps: int = 0,
 ) -> TrinityConfig:
     config, _ = tiny_config(
         tmp_path,
@@ -172,6 +173,7 @@ def make_config(
                 "total_steps": total_steps,
                 "save_interval": save_interval,
                 "save_hf_checkpoint": save_hf_checkpoint,
+                "sft_warmup_steps": sft_warmup_steps,
             },
             "synchronizer": {
                 "sync_method": "checkpoint",
@@ -185,13 +187,14 @@ def make_config(
 
 
 def expected_events(
-    total_steps: int, save_interval: int, sync_interval: int, save_hf: str
+    total_steps: int, save_interval: int, sync_interval: int, save_hf: str, sft_warmup: int = 0
 ) -> list[Event]:
     """Trinity-RFT's schedule, sync_style fixed and sync_method checkpoint, all data there.
 
     After each step: a save every `save_interval` steps (none for 0), except that the final
     step gets the one final blocking save instead; weights synced at every `sync_interval`-th
-    step, by the save when one is made at that step (which then exports HF weights).
+    step, by the save when one is made at that step (which then exports HF weights). The SFT
+    warm-up's last step, when RL steps follow, is saved too and exported unless `never`.
     """
     events: list[Event] = []
     for step in range(1, total_steps + 1):
@@ -199,6 +202,8 @@ def expected_events(
         sync_due = step % sync_interval == 0
         if step == total_steps:
             events.append(("save", step, True, save_hf != "never" or sync_due, sync_due))
+        elif step == sft_warmup:
+            events.append(("save", step, False, save_hf != "never" or sync_due, sync_due))
         elif save_interval > 0 and step % save_interval == 0:
             events.append(("save", step, False, save_hf == "always" or sync_due, sync_due))
         elif sync_due:
@@ -256,6 +261,32 @@ def test_schedule_of_saves_and_syncs(
     assert (state.state, state.step) == ("finished", total_steps)
     assert state.finished(total_steps)
     assert engine.prepared >= 1 and engine.closed == 1
+
+
+@pytest.mark.parametrize("save_hf", ["always", "last", "never"])
+@pytest.mark.parametrize("warmup", [2, 3, 6])
+def test_the_sft_warmups_last_step_is_checkpointed(
+    tmp_path: Path, warmup: int, save_hf: str
+) -> None:
+    """The SFT model is kept: its step is saved (with HF weights unless `never`) when RL
+    steps follow it; a run that is all warm-up just takes the final save."""
+    config = make_config(
+        tmp_path,
+        total_steps=6,
+        save_interval=4,
+        sync_interval=2,
+        save_hf_checkpoint=save_hf,
+        read_timeout_s=5.0,
+        sft_warmup_steps=warmup,
+    )
+    fill_buffer(config, 6)
+    engine = FakeEngine()
+
+    run_trainer(Trainer(config, engine=engine, hook=RecordingHook()))
+
+    assert engine.events == expected_events(6, 4, 2, save_hf, sft_warmup=warmup)
+    saves = [e[1] for e in engine.events if e[0] == "save"]
+    assert saves == sorted({warmup, 4, 6})
 
 
 def test_expected_schedule_examples() -> None:

@@ -13,6 +13,7 @@ from trinity_dagster.commands.training_run import (
     held_out_accuracy,
 )
 from trinity_dagster.config import load_config
+from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.run_state import read_trainer_state, write_trainer_state
 
@@ -69,3 +70,15 @@ def test_the_summary_reports_each_held_out_accuracy_with_its_interval(tmp_path: 
         "held-out accuracy after RL: 0.372 (95% CI 0.331-0.415)",
         "  (greedy, 500 held-out tasks)",
     ]
+
+
+def test_the_sft_models_weights_are_evaluated_while_they_are_on_disk(tmp_path: Path) -> None:
+    config = load_config(None, {"run_root": str(tmp_path / "run"), "trainer.sft_warmup_steps": 4})
+    paths = RunPaths.of_config(config)
+    assert versions_to_evaluate(config, paths, 10) == [0, 10]  # no weights of step 4 on disk
+
+    exported = paths.checkpoints / "global_step_4" / "huggingface"
+    exported.mkdir(parents=True)
+    (exported / "config.json").write_text("{}")
+    assert versions_to_evaluate(config, paths, 10) == [0, 4, 10]
+    assert versions_to_evaluate(config, paths, 4) == [0, 4]  # all warm-up: 4 is the final

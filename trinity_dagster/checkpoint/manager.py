@@ -41,6 +41,7 @@ from trinity_dagster.checkpoint.manifest import (
 from trinity_dagster.checkpoint.protocols import SaveHandle, StateProvider
 from trinity_dagster.checkpoint.publish import checkpoint_sync_dir
 from trinity_dagster.checkpoint.retention import is_complete, prune_checkpoints
+from trinity_dagster.checkpoint.rules import sft_model_step
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
@@ -375,6 +376,7 @@ class CheckpointManager:
             self.config.trainer.max_checkpoints_to_keep,
             in_progress=[t.tmp_dir for t in self._pending.values()],
             hashed=set(self._hashed),
+            keep_step=sft_model_step(self.config),
         )
 
     # --- loading ---------------------------------------------------------------------

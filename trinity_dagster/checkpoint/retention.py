@@ -1,8 +1,9 @@
 """Checkpoint retention: keep the newest `max_checkpoints_to_keep` complete checkpoints on disk.
 
 Counts from what is on disk, so it survives restarts. Never deletes the newest checkpoint that
-verifies with checksums, one being written, or the checkpoint whose HF export is the published
-weights; a damaged newer checkpoint never costs an older good one.
+verifies with checksums, one being written, the checkpoint whose HF export is the published
+weights, or a complete one of the steps the caller keeps (the SFT model); a damaged newer
+checkpoint never costs an older good one.
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def prune_checkpoints(
     *,
     in_progress: Collection[Path] = (),
     hashed: Collection[Path] = (),
+    keep_step: int | None = None,
 ) -> list[Path]:
     """Delete surplus checkpoints; return the directories deleted.
 
-    Keeps the newest `max_keep` complete checkpoints (None keeps all); before any complete one is
+    Keeps the newest `max_keep` complete checkpoints (None keeps all), and that of step
+    `keep_step` without counting it (the SFT model); before any complete one is
     deleted, those kept are verified with checksums, except the `hashed` ones (the caller
     computed their manifests from the files it wrote). Removes partial or corrupt `global_step_N/`
     and abandoned temp directories up to the newest kept checkpoint's step, and leftover trash.
@@ -92,12 +95,15 @@ def prune_checkpoints(
     busy = {Path(p).resolve() for p in in_progress}
     dirs = [d for d in scan_step_dirs(paths.checkpoints) if d.path.resolve() not in busy]
     complete = [d for d in dirs if d.kind == "final" and is_complete(d.path)]
-    kept = _kept(complete, max_keep, set(hashed))
+    counted = [d for d in complete if d.step != keep_step]
+    kept = _kept(counted, max_keep, set(hashed))
     newest = kept[0].step if kept else None
     protected = _published_checkpoint(paths)
     deleted: list[Path] = []
     for entry in dirs:
         if entry in kept or entry.path == protected:
+            continue
+        if entry in complete and entry.step == keep_step:
             continue
         if entry.kind != "trash":
             if newest is None or entry.step > newest:

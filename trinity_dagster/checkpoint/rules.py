@@ -1,7 +1,8 @@
 """When weights go to explorers (Trinity-RFT's sync rules), as pure functions. No torch here.
 
 The trainer loop (`trinity_dagster.trainer.Trainer`) asks `need_sync` after each step; the
-built-in explorer asks `explorer_weights_version` which version an explore step needs.
+built-in explorer asks `explorer_weights_version` which version an explore step needs;
+`sft_model_step` names the checkpoint kept as the SFT model.
 """
 
 from __future__ import annotations
@@ -74,3 +75,11 @@ def explore_steps_needed(config: TrinityConfig) -> int:
     sft = min(config.trainer.sft_warmup_steps, total)
     per_step = config.explorer.tasks_per_step * config.algorithm.repeat_times
     return sft + math.ceil((total - sft) * config.buffer.train_batch_size / per_step)
+
+
+def sft_model_step(config: TrinityConfig) -> int | None:
+    """The step whose checkpoint is the SFT model: the warm-up's last step when RL steps follow
+    it (`0 < trainer.sft_warmup_steps < trainer.total_steps`), else None. The trainer saves
+    it and retention keeps it."""
+    warmup = config.trainer.sft_warmup_steps
+    return warmup if 0 < warmup < config.trainer.total_steps else None

@@ -133,9 +133,11 @@ class Progress:
         self.paths = RunPaths.of_config(config)
         self.cursors: dict[str, str | None] = {"rollouts": None, "train_step": None}
         self.reported_failures: set[str] = set()
+        self.reported_retries: set[str] = set()
 
     def new_lines(self) -> list[str]:
-        """One line per explore or train step recorded since the last call."""
+        """One line per explore or train step recorded since the last call, and per run
+        that failed and is retried."""
         lines = []
         for asset in self.cursors:
             result = self.instance.fetch_materializations(
@@ -148,6 +150,20 @@ class Progress:
                 if event is not None and event.partition is not None:
                     meta = metadata_values(event)
                     lines.append(self._line(asset, int(event.partition), meta))
+        return lines + self._retried_runs()
+
+    def _retried_runs(self) -> list[str]:
+        """One line per run that failed and that Dagster's run retries start again."""
+        dg = self.dg
+        failed = self.instance.get_runs(
+            filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY: "true"})
+        )
+        lines = []
+        for run in failed:
+            if run.run_id not in self.reported_retries:
+                self.reported_retries.add(run.run_id)
+                error = self._error(run.run_id)
+                lines.append(f"{run.job_name} run {run.run_id} failed and is retried: {error}")
         return lines
 
     def _line(self, asset: str, step: int, meta: dict[str, Any]) -> str:
@@ -245,16 +261,16 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     progress = Progress(instance, config)
     daemon = start_daemon(paths, workspace_file)
     try:
-        final_eval = _watch(progress, daemon, paths)
+        final_version, scored = _watch(progress, daemon, paths)
     finally:
         stop_daemon(daemon)
         stop_service(paths)
     state = read_trainer_state(paths)
     assert state is not None
-    evaluations = {"start": progress.evaluation(0) or {}, "end": final_eval}
+    evaluations = {"start": scored[0], "end": scored[final_version]}
     warmup = config.trainer.sft_warmup_steps
-    if 0 < warmup < state.step:
-        evaluations["sft"] = progress.evaluation(warmup) or {}
+    if 0 < warmup < final_version and warmup in scored:
+        evaluations["sft"] = scored[warmup]
     accuracy = held_out_accuracy(config, evaluations)
     rollouts = [(step, reward) for step, reward, demo in progress.rollout_rewards() if not demo]
     rewards = [reward for _, reward in rollouts]
@@ -334,11 +350,15 @@ def accuracy_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _watch(progress: Progress, daemon: subprocess.Popen, paths: RunPaths) -> dict[str, Any]:
+def _watch(
+    progress: Progress, daemon: subprocess.Popen, paths: RunPaths
+) -> tuple[int, dict[int, dict[str, Any]]]:
+    """Print progress until training finished and its evaluations are recorded; returns the
+    final weights version and the evaluation metadata by weights version."""
     from trinity_dagster.checkpoint.layout import latest_weights_version
+    from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 
-    total_steps = progress.config.trainer.total_steps
-    """Print progress until the final evaluation is recorded; returns its metadata."""
+    config = progress.config
     while True:
         for line in progress.new_lines():
             print(line, flush=True)
@@ -351,8 +371,9 @@ def _watch(progress: Progress, daemon: subprocess.Popen, paths: RunPaths) -> dic
                 f"see {paths.logs / 'dagster-daemon.log'}"
             )
         state = read_trainer_state(paths)
-        if state is not None and state.finished(total_steps):
-            final = progress.evaluation(latest_weights_version(paths) or 0)
-            if final is not None:
-                return final
+        if state is not None and state.finished(config.trainer.total_steps):
+            final = latest_weights_version(paths) or 0
+            scored = {v: progress.evaluation(v) for v in versions_to_evaluate(config, paths, final)}
+            if all(meta is not None for meta in scored.values()):
+                return final, {v: meta for v, meta in scored.items() if meta is not None}
         time.sleep(POLL_S)

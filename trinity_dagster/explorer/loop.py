@@ -11,11 +11,6 @@ It waits at most `synchronizer.sync_timeout` seconds for weights, and stops when
 stopped: normally if the trainer finished, with `TrainerStoppedError` if it failed. When the
 task set is used up (`buffer.total_epochs`) or every explore step the trainer needs is done,
 it marks the end of data, so a trainer waiting for more stops cleanly.
-
-The first explore step after the SFT warm-up, when it explores with the warm-up's last
-weights (version `trainer.sft_warmup_steps`), then evaluates them on the held-out set (while
-the trainer trains on its rollouts) and reports the metrics through `on_evaluation`: that
-version may be gone by the end of the run, since only the newest synced weights are kept.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from trinity_dagster.checkpoint.rules import explore_steps_needed, explorer_weig
 from trinity_dagster.checkpoint.shm_weights import newest_weights_version
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.demonstrations import demonstration_rows
-from trinity_dagster.explorer.evaluation import evaluate_policy
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
@@ -65,13 +59,11 @@ class ExplorerLoop:
         config: TrinityConfig,
         explorer_id: str = "explorer-0",
         on_step: Callable[[int, dict[str, Any]], None] = lambda step, metadata: None,
-        on_evaluation: Callable[[int, dict[str, float]], None] = lambda version, metrics: None,
     ) -> None:
         self.config = config
         self.paths = RunPaths.of_config(config)
         self.explorer_id = explorer_id
         self.on_step = on_step
-        self.on_evaluation = on_evaluation
         create_initial_model(config, self.paths)
         self.explorer = Explorer(config, self.paths, explorer_id)
         # one writer for the whole loop: it reads each data file's eids once, not every step
@@ -143,18 +135,9 @@ class ExplorerLoop:
                 **step_timings(marks),
             },
         )
-        self._evaluate_warmup_end(step, version)
         if not demonstrations and self._asks_for_sync(step):
             return self._request_sync(version)
         return None
-
-    def _evaluate_warmup_end(self, step: int, version: int) -> None:
-        """Evaluate the SFT warm-up's last weights when explore step `step` starts RL with them."""
-        warmup = self.config.trainer.sft_warmup_steps
-        if warmup == 0 or step != warmup + 1 or version != warmup:
-            return
-        model = self.explorer.policy(version)
-        self.on_evaluation(version, evaluate_policy(self.config, self.explorer.tokenizer, model))
 
     def _asks_for_sync(self, step: int) -> bool:
         sync = self.config.synchronizer

@@ -176,7 +176,10 @@ class Trainer:
         if self.train_step_num == 0:
             return metrics
         if self.need_save() and not final:
-            metrics.update(self.save_checkpoint(save_as_hf=self.save_hf_checkpoint == "always"))
+            hf = self.save_hf_checkpoint == "always" or (
+                self._warmup_ends_now() and self.save_hf_checkpoint != "never"
+            )
+            metrics.update(self.save_checkpoint(save_as_hf=hf))
         if final and self._checkpoint_sync():
             return metrics  # the final save serves as the sync
         metrics.update(await self._serve_sync())
@@ -236,8 +239,15 @@ class Trainer:
         return self._sync_due(self._requests())
 
     def need_save(self) -> bool:
-        """Whether the current step saves a checkpoint (every `trainer.save_interval` steps)."""
-        return self.save_interval > 0 and self.train_step_num % self.save_interval == 0
+        """Whether the current step saves a checkpoint: every `trainer.save_interval` steps,
+        and the SFT warm-up's last step when RL steps follow it (the SFT model, exported to
+        HF unless `save_hf_checkpoint: never`)."""
+        step = self.train_step_num
+        every = self.save_interval > 0 and step % self.save_interval == 0
+        return every or self._warmup_ends_now()
+
+    def _warmup_ends_now(self) -> bool:
+        return self.train_step_num == rules.sft_model_step(self.config)
 
     async def sync_weight(self) -> dict[str, Any]:
         """Send the current weights to explorers by `synchronizer.sync_method`."""
