@@ -17,7 +17,7 @@ from trinity_dagster.buffer import ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.buffer.maintenance import compact
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.stats import table_stats
-from trinity_dagster.buffer.tables import table_log_mtime
+from trinity_dagster.buffer.tables import has_commit_after
 from trinity_dagster.config import ConfigError, load_config
 from trinity_dagster.paths import RunPaths, join_location, local_path, uri_scheme
 
@@ -33,7 +33,10 @@ def test_experiences_are_written_pinned_and_read_through_a_file_uri(tmp_path: Pa
     bad = {**make_rows("bad", 1)[0], "reward": float("nan")}
     report = ExperienceWriter(config).write([*make_rows("a", 4), bad])
     assert (report.written, report.quarantined) == (4, 1)
-    assert table_log_mtime(paths.experiences) is not None
+    # the writer created the table (commit 0) and appended once (commit 1)
+    assert has_commit_after(paths.experiences, None)
+    assert has_commit_after(paths.experiences, 0)
+    assert not has_commit_after(paths.experiences, 1)
     pinned = pin_batch(config, 1)
     assert isinstance(pinned, PinResult) and len(pinned.eids) == 4
     assert sorted(load_step_batch(config, 1).column("eid").to_pylist()) == sorted(pinned.eids)

@@ -52,6 +52,8 @@ class PinShortfall:
 
     have: int
     need: int
+    # the experiences table version the try read (None: no table yet)
+    source_version: int | None = field(default=None, compare=False)
 
     @property
     def message(self) -> str:
@@ -209,7 +211,7 @@ def pin_batch(
             if selection.train:
                 break
         if not selection.train or chunk is None:
-            return PinShortfall(have=selection.eligible_rows, need=need), []
+            return PinShortfall(selection.eligible_rows, need, source_version), []
         new_state = _advance(
             state,
             step,

@@ -5,7 +5,6 @@ A table is named by its location: a local path or a `file://` URI (see `trinity_
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Callable
@@ -46,16 +45,14 @@ def open_table(location: str | Path) -> DeltaTable | None:
         return None
 
 
-def table_log_mtime(location: str | Path) -> int | None:
-    """When the Delta log of the table at `location` last changed (ns), None if there is none.
+def has_commit_after(location: str | Path, version: int | None) -> bool:
+    """Whether the Delta table at `location` has a commit newer than `version` (None: any).
 
-    Every commit adds a file to `_delta_log/`, so a waiting reader can tell from one `stat`
-    whether reading the table again can find anything new.
+    Commit N lands as `_delta_log/<N, 20 digits>.json` in one atomic step, so a waiting reader
+    can tell from one `stat` whether reading the table again can find anything new.
     """
-    try:
-        return os.stat(local_path(location) / "_delta_log").st_mtime_ns
-    except FileNotFoundError:
-        return None
+    following = 0 if version is None else version + 1
+    return (local_path(location) / "_delta_log" / f"{following:020d}.json").exists()
 
 
 def open_or_create(location: str | Path, schema: pa.Schema) -> DeltaTable:

@@ -27,7 +27,7 @@ from typing import Any
 
 from trinity_dagster.buffer.end_of_data import end_of_data
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
-from trinity_dagster.buffer.tables import table_log_mtime
+from trinity_dagster.buffer.tables import has_commit_after
 from trinity_dagster.checkpoint import rules
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.config import TrinityConfig
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 # between looks for new experiences: a few stats, so 5 ms costs ~1% of a core and keeps
 # the hand-off from the explorers within a few ms (bench daemon)
 POLL_S = 0.005
-_NEVER = object()
 
 
 class SyncWithheldError(RuntimeError):
@@ -197,16 +196,18 @@ class Trainer:
     async def _sample_data(self) -> PinResult:
         """Pin the next step's batch, waiting for explorers (raises StopAsyncIteration).
 
-        While waiting it tries to pin again only when the experiences table got a new
-        commit (one `stat` of its log per poll), and serves the explorers' sync requests.
+        While waiting it tries to pin again only when the experiences table has a commit
+        newer than the last try read (one `stat` per poll), and serves the explorers' sync
+        requests.
         """
         step = self.train_step_num + 1
-        seen: object = _NEVER
-        last_growth = time.monotonic()
+        result = pin_batch(self.config, step)
+        if isinstance(result, PinResult):
+            return result
+        shortfall, last_growth = result, time.monotonic()
         while True:
-            version = table_log_mtime(self.paths.experiences)
-            if version != seen:
-                seen, last_growth = version, time.monotonic()
+            if has_commit_after(self.paths.experiences, shortfall.source_version):
+                last_growth = time.monotonic()
                 result = pin_batch(self.config, step)
                 if isinstance(result, PinResult):
                     return result
