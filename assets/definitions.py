@@ -11,7 +11,7 @@ from assets.maintenance import (
     delta_maintenance_job,
     delta_maintenance_schedule,
 )
-from assets.sensors import checkpoint_sensor, evaluation_sensor, explorer_sensor, trainer_sensor
+from assets.sensors import rft_loop_sensor
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
@@ -30,7 +30,7 @@ defs = dg.Definitions(
         delta_maintenance_job,
         checkpoint_retention_job,
     ],
-    sensors=[trainer_sensor, explorer_sensor, checkpoint_sensor, evaluation_sensor],
+    sensors=[rft_loop_sensor],
     schedules=[
         delta_maintenance_schedule,
         checkpoint_retention_schedule,

@@ -1,17 +1,21 @@
-"""Sensors that keep the RFT loop going and record what happens in the background.
+"""The sensor that keeps the RFT loop going and records what happens in the background.
 
-- `trainer_sensor`: while training is not finished, keeps one long-lived `train_job` run
+`rft_loop_sensor` is one sensor, so the daemon pays its per-evaluation cost (a code-server
+call, an instance, tick records) once per interval, not once per job: with four sensors that
+cost took about an eighth of a core, beside a loop that keeps both cores busy. Its parts:
+- `trainer_request`: while training is not finished, keeps one long-lived `train_job` run
   over steps next..total_steps (the trainer loop, waiting for data itself);
-- `explorer_sensor`: likewise one `rollouts_job` run of the built-in explorer loop;
-- `checkpoint_sensor`: records `checkpoint[N]`, `hf_model[N]` (and `synced_weights[N]`
-  when the checkpoint's export serves as the sync) the moment a background save's manifest
+- `explorer_request` (`dagster.builtin_explorer`): likewise one `rollouts_job` run of the
+  built-in explorer loop;
+- `checkpoint_records`: records `checkpoint[N]`, `hf_model[N]` (and `synced_weights[N]`
+  when the checkpoint's export serves as the sync) once a background save's manifest
   lands, without a run, holding no pool slot;
-- `evaluation_sensor`: once training finished, evaluates the initial weights, the SFT
+- `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
   warm-up's last (checkpointed) and the final weights.
 A run killed with its worker is retried by Dagster's run retries (see
-`trinity_dagster.dagster_instance`) or, if interrupted, started again by its sensor; a
-trainer run that failed on an error of the loop is not relaunched: the sensors then say why
-they wait. Run keys (job, range, attempt) make every request unique.
+`trinity_dagster.dagster_instance`) or, if interrupted, started again by the sensor; a
+trainer run that failed on an error of the loop is not relaunched: the skip reason then says
+why it waits. Run keys (job, range, attempt) make every request unique.
 """
 
 import re
@@ -160,43 +164,27 @@ def ranged_request(
     )
 
 
-@dg.sensor(
-    name="trainer_sensor",
-    job=train_job,
-    minimum_interval_seconds=_INTERVAL,
-    default_status=_STATUS,
-    description="Keep one trainer run (the Trainer loop) over the steps left to train.",
-)
-def trainer_sensor(
-    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+def trainer_request(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Start a trainer run over next..total_steps unless one runs or training finished."""
+    """A trainer run over next..total_steps unless one runs or training finished."""
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}: {finished.reason}")
     total = run_config.config.trainer.total_steps
-    first = newest_step(context.instance, TRAIN) + 1
+    first = newest_step(instance, TRAIN) + 1
     state = read_trainer_state(run_config.paths)
     loop_error = state.reason if state is not None and state.state == "failed" else None
-    attempt = launch_attempt(context.instance, train_job.name, first, loop_error)
+    attempt = launch_attempt(instance, train_job.name, first, loop_error)
     if isinstance(attempt, str):
         return dg.SkipReason(attempt)
     return ranged_request(train_job.name, first, total, total, attempt)
 
 
-@dg.sensor(
-    name="explorer_sensor",
-    job=rollouts_job,
-    minimum_interval_seconds=_INTERVAL,
-    default_status=(
-        _STATUS if _config.dagster.builtin_explorer else dg.DefaultSensorStatus.STOPPED
-    ),
-    description="Keep one built-in explorer run over the explore steps left.",
-)
-def explorer_sensor(
-    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+def explorer_request(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Start an explorer run over next..needed unless one runs or exploring ended."""
+    """A built-in explorer run over next..needed unless one runs or exploring ended."""
     ended = end_of_data(run_config.paths)
     if ended is not None:
         return dg.SkipReason(f"the explorers ended: {ended}")
@@ -204,28 +192,21 @@ def explorer_sensor(
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}")
     needed = explore_steps_needed(run_config.config)
-    first = newest_step(context.instance, ROLLOUTS) + 1
+    first = newest_step(instance, ROLLOUTS) + 1
     if first > needed:
         return dg.SkipReason(f"all {needed} explore steps are done")
-    attempt = launch_attempt(context.instance, rollouts_job.name, first, None)
+    attempt = launch_attempt(instance, rollouts_job.name, first, None)
     if isinstance(attempt, str):
         return dg.SkipReason(attempt)
     total = max(needed, run_config.config.trainer.total_steps)
     return ranged_request(rollouts_job.name, first, needed, total, attempt)
 
 
-@dg.sensor(
-    name="checkpoint_sensor",
-    minimum_interval_seconds=_INTERVAL,
-    default_status=_STATUS,
-    description="Record checkpoints (and the weights they publish) when their manifests land.",
-)
-def checkpoint_sensor(
-    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+def checkpoint_records(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
     """Materialisations of complete checkpoints not recorded yet, without a run."""
     paths = run_config.paths
-    instance = context.instance
     recorded = {
         asset: instance.get_materialized_partitions(dg.AssetKey(asset))
         for asset in (CHECKPOINT, HF_MODEL, SYNCED)
@@ -290,21 +271,10 @@ def checkpoint_events(
     return events
 
 
-@dg.sensor(
-    name="evaluation_sensor",
-    job=evaluation_job,
-    minimum_interval_seconds=_INTERVAL,
-    default_status=_STATUS,
-    description=(
-        "Once training finished: evaluate the initial, the SFT warm-up's last and the final "
-        "weights."
-    ),
-)
-def evaluation_sensor(
-    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+def evaluation_requests(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Request `evaluation[v]` of the initial, the SFT warm-up's last and the final weights,
-    once each.
+    """`evaluation[v]` of the initial, the SFT warm-up's last and the final weights, once each.
 
     They wait for the end of training, so they never take the CPU from the loop.
     """
@@ -312,11 +282,57 @@ def evaluation_sensor(
         return dg.SkipReason("waiting for training to finish")
     published = latest_weights_version(run_config.paths) or 0
     versions = versions_to_evaluate(run_config.config, run_config.paths, published)
-    done = context.instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
+    done = instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
     wanted = [step_key(v) for v in versions if step_key(v) not in done]
     if not wanted:
         return dg.SkipReason(f"weights {versions} are evaluated")
     return dg.SensorResult(
-        run_requests=[dg.RunRequest(run_key=f"eval-{key}", partition_key=key) for key in wanted],
+        run_requests=[
+            dg.RunRequest(run_key=f"eval-{key}", job_name=evaluation_job.name, partition_key=key)
+            for key in wanted
+        ],
         dynamic_partitions_requests=[step_partitions.build_add_request(wanted)],
+    )
+
+
+@dg.sensor(
+    name="rft_loop_sensor",
+    jobs=[train_job, rollouts_job, evaluation_job],
+    minimum_interval_seconds=_INTERVAL,
+    default_status=_STATUS,
+    description=(
+        "Keep the trainer run (and the built-in explorer run) going, record checkpoints as "
+        "their manifests land, and evaluate the initial, SFT and final weights at the end."
+    ),
+)
+def rft_loop_sensor(
+    context: dg.SensorEvaluationContext, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """Every part's runs and runless events in one evaluation, or each part's skip reason.
+
+    Dagster refuses a result that adds a partition twice, so the parts' partition requests
+    become one.
+    """
+    parts = [trainer_request, checkpoint_records, evaluation_requests]
+    if run_config.config.dagster.builtin_explorer:
+        parts.insert(1, explorer_request)
+    run_requests: list[dg.RunRequest] = []
+    events: list[dg.AssetMaterialization] = []
+    keys: dict[str, None] = {}  # step partitions to add, in order, each once
+    skipped: list[str] = []
+    for part in parts:
+        result = part(context.instance, run_config)
+        if isinstance(result, dg.SkipReason):
+            skipped.append(f"{part.__name__}: {result.skip_message}")
+            continue
+        run_requests += result.run_requests or []
+        events += result.asset_events or []
+        for request in result.dynamic_partitions_requests or []:
+            keys.update(dict.fromkeys(request.partition_keys or []))
+    if not run_requests and not events:
+        return dg.SkipReason("; ".join(skipped))
+    return dg.SensorResult(
+        run_requests=run_requests,
+        asset_events=events,
+        dynamic_partitions_requests=[step_partitions.build_add_request(list(keys))] if keys else [],
     )

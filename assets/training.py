@@ -4,7 +4,7 @@ A run of `train` over steps a..b executes `Trainer.train` (trinity_dagster.train
 it waits for each step's data, trains it, syncs and saves as due, and logs
 `experience_batch[N]`, `train_step[N]` (every metric) and `synced_weights[N]` as each step
 finishes, so a long-lived run over 1..total_steps shows progress step by step and a failure
-at step k leaves a..k-1 recorded. Background checkpoints are recorded by `checkpoint_sensor`
+at step k leaves a..k-1 recorded. Background checkpoints are recorded by `rft_loop_sensor`
 when their manifests land. Selected alone, `experience_batch` pins and `synced_weights`
 publishes the weights of steps the engine is at.
 

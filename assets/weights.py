@@ -1,6 +1,6 @@
 """`checkpoint` and `hf_model`: full checkpoints of a step and their Hugging Face exports.
 
-The trainer loop saves checkpoints as due (in the background) and `checkpoint_sensor`
+The trainer loop saves checkpoints as due (in the background) and `rft_loop_sensor`
 records each one when its manifest lands. Materialising `checkpoint[N]` from the UI waits
 for (or records) step N's checkpoint, or has the engine write it if the engine is still at
 step N; `hf_model[N]` exports a checkpoint without one with `trinity-dagster convert`.

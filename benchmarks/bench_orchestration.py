@@ -175,7 +175,7 @@ def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, fl
         assert result.success
     else:
         for key in keys:
-            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": "trainer_sensor"}
+            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": "rft_loop_sensor"}
             result = job.execute_in_process(instance=instance, partition_key=key, tags=tags)
             assert result.success
     seconds = time.perf_counter() - started

@@ -150,7 +150,7 @@ class Loop:
     def wait_for_checkpoint_record(self, instance: dg.DagsterInstance) -> None:
         key = step_key(TOTAL_STEPS)
         self.wait(
-            "checkpoint_sensor to record the final checkpoint",
+            "rft_loop_sensor to record the final checkpoint",
             lambda: key in instance.get_materialized_partitions(dg.AssetKey("checkpoint")),
             timeout_s=60,
         )

@@ -1,5 +1,5 @@
 """The Dagster graph in process: the trainer loop as ranged runs against a real engine service,
-and the sensors that start it and record its checkpoints."""
+and the sensor that starts it and records its checkpoints."""
 
 import math
 from pathlib import Path
@@ -8,7 +8,7 @@ import dagster as dg
 import pytest
 
 from assets.experiences import experience_schema, experiences
-from assets.sensors import checkpoint_sensor, trainer_sensor
+from assets.sensors import checkpoint_records, rft_loop_sensor, trainer_request
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
@@ -41,13 +41,6 @@ def graph(tmp_path: Path):
     stop_service(RunPaths.of(config.run_root))
 
 
-def sensor_result(sensor, instance, resources, cursor=None):
-    context = dg.build_sensor_context(
-        instance=instance, cursor=cursor, resources={"run_config": resources["run_config"]}
-    )
-    return sensor(context)
-
-
 def metadata(instance, asset: str, partition: str) -> dict:
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]), limit=1
@@ -72,10 +65,17 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     fill_buffer(config, steps=config.trainer.total_steps)
     keys = [f"00000{n}" for n in (1, 2, 3, 4)]
 
-    first = sensor_result(trainer_sensor, instance, resources)
-    (request,) = first.run_requests
+    # one evaluation of the sensor starts the trainer run and the built-in explorer's
+    context = dg.build_sensor_context(
+        instance=instance, resources={"run_config": resources["run_config"]}
+    )
+    first = rft_loop_sensor.evaluate_tick(context)  # as the daemon does, with its checks
+    requests = {request.job_name: request for request in first.run_requests}
+    assert set(requests) == {"train_job", "rollouts_job"}
+    request = requests["train_job"]
     assert (request.tags[RANGE_START], request.tags[RANGE_END]) == ("000001", "000004")
-    assert first.dynamic_partitions_requests[0].partition_keys == keys
+    (partitions,) = first.dynamic_partitions_requests  # Dagster refuses a key added twice
+    assert partitions.partition_keys == keys
     instance.add_dynamic_partitions("step", keys)
 
     one = dg.materialize([train], instance=instance, resources=resources, partition_key="000001")
@@ -89,7 +89,8 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     assert check_passed(one, "loss_is_finite") and check_passed(one, "kl_within_bound")
 
     # a restarted sensor asks for the steps left, from the newest trained one on
-    restarted = sensor_result(trainer_sensor, instance, resources)
+    run_config = resources["run_config"]
+    restarted = trainer_request(instance, run_config)
     assert [r.run_key for r in restarted.run_requests] == ["train_job-000002-000004-0"]
 
     # one run over steps 2..4: one materialisation per step, each with its own metadata
@@ -105,12 +106,12 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     assert len({m["actor/pg_loss"] for m in steps}) == 3
     state = read_trainer_state(paths)
     assert state is not None and state.finished(4) and state.step == 4, state
-    finished = sensor_result(trainer_sensor, instance, resources)
+    finished = trainer_request(instance, run_config)
     assert isinstance(finished, dg.SkipReason) and "training finished" in finished.skip_message
 
     # save_interval 2 and the final step; with sync_interval 1 and sync_method checkpoint
     # each save also serves as the sync: the checkpoint sensor records all three, runless
-    recorded = sensor_result(checkpoint_sensor, instance, resources)
+    recorded = checkpoint_records(instance, run_config)
     events = {(e.asset_key.to_user_string(), e.partition) for e in recorded.asset_events}
     assert events == {
         (asset, key)
