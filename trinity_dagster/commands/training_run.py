@@ -33,6 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
 WILL_RETRY = "dagster/will_retry"
+LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
+FAILED_TICKS = 3
 
 
 class TrainingRunError(RuntimeError):
@@ -180,6 +182,28 @@ class Progress:
             f"reward {meta.get('critic/rewards/mean', float('nan')):.3f}, "
             f"{meta.get('time/step', float('nan')):.2f}s"
         )
+
+    def sensor_failure(self) -> str | None:
+        """The error of the loop's sensor once `FAILED_TICKS` of its ticks failed in a row.
+
+        A sensor that raises on every tick would otherwise leave the run waiting forever; a
+        code server that is not reachable yet (the daemon retries it) does not count.
+        """
+        for state in self.instance.all_instigator_state():
+            if state.instigator_name != LOOP_SENSOR:
+                continue
+            ticks = self.instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
+            tick = ticks[0] if ticks else None
+            if tick is None or not tick.is_failure or tick.error is None:
+                continue
+            if tick.error.cls_name == "DagsterUserCodeUnreachableError":
+                continue
+            if tick.consecutive_failure_count >= FAILED_TICKS:
+                return (
+                    f"{LOOP_SENSOR} failed {tick.consecutive_failure_count} ticks in a row: "
+                    f"{tick.error.to_string()}"
+                )
+        return None
 
     def final_failure(self) -> str | None:
         """The error of a run that failed and will not be retried, if any."""
@@ -362,7 +386,7 @@ def _watch(
     while True:
         for line in progress.new_lines():
             print(line, flush=True)
-        failure = progress.final_failure()
+        failure = progress.final_failure() or progress.sensor_failure()
         if failure is not None:
             raise TrainingRunError(failure)
         if daemon.poll() is not None:
