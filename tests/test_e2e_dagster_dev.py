@@ -32,7 +32,7 @@ from tests.dagster_dev_helpers import (
     processes_with_env,
 )
 from tests.run_helpers import fill_buffer, tiny_config
-from trinity_dagster.dagster_instance import INSTANCE_YAML
+from trinity_dagster.dagster_instance import instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 
@@ -126,7 +126,7 @@ def dagster_dev(tmp_path: Path) -> Iterator[tuple[DagsterDev, RunPaths]]:
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, steps=2)
     paths.dagster_home.mkdir(parents=True, exist_ok=True)
-    (paths.dagster_home / "dagster.yaml").write_text(INSTANCE_YAML)
+    (paths.dagster_home / "dagster.yaml").write_text(instance_yaml(paths.dagster_home))
     shutil.rmtree(ARTIFACTS, ignore_errors=True)
     ARTIFACTS.mkdir(parents=True)
     dev = DagsterDev(paths.dagster_home, config_file, ARTIFACTS / "dagster_dev.log")

@@ -8,7 +8,10 @@ into their own `DAGSTER_HOME` (the README shows how). Why each setting:
   engine pool (limit 1) never stays claimed by a dead run;
 - run retries restart a run whose worker crashed (not one whose step failed: an error in
   the loop fails the run and stays visible); the loops resume from what is on disk;
-- pools default to a limit of 1: every op that drives the engine is in the `engine` pool.
+- pools default to a limit of 1: every op that drives the engine is in the `engine` pool;
+- events go to `trinity_dagster.dagster_events.PooledSqliteEventLogStorage`, Dagster's
+  SQLite event storage keeping each database's connection open between events (a fifth of
+  the cost per event), in the same files as the default storage.
 No dagster import here.
 """
 
@@ -18,6 +21,11 @@ from pathlib import Path
 
 INSTANCE_YAML = """\
 # Dagster instance of a trinity-dagster run (SQLite storage in this directory).
+event_log_storage:
+  module: trinity_dagster.dagster_events
+  class: PooledSqliteEventLogStorage
+  config:
+    base_dir: {dagster_home}/history/runs/
 telemetry:
   enabled: false
 run_coordinator:
@@ -39,10 +47,15 @@ concurrency:
 """
 
 
+def instance_yaml(dagster_home: Path) -> str:
+    """The instance settings for the instance in `dagster_home`."""
+    return INSTANCE_YAML.format(dagster_home=dagster_home.resolve())
+
+
 def write_instance_yaml(dagster_home: Path) -> Path:
     """Write the instance settings into `dagster_home` (kept if the file already exists)."""
     dagster_home.mkdir(parents=True, exist_ok=True)
     path = dagster_home / "dagster.yaml"
     if not path.exists():
-        path.write_text(INSTANCE_YAML)
+        path.write_text(instance_yaml(dagster_home))
     return path

@@ -1,0 +1,47 @@
+"""The pooled SQLite event storage: Dagster's files and schema, a bounded set of open ones."""
+
+from pathlib import Path
+
+import dagster as dg
+import psutil
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
+from sqlalchemy import text
+
+from trinity_dagster.dagster_events import MAX_OPEN_DATABASES, PooledSqliteEventLogStorage
+from trinity_dagster.dagster_instance import write_instance_yaml
+
+
+def open_databases(directory: Path) -> set[str]:
+    """The SQLite files under `directory` this process holds open."""
+    return {
+        f.path
+        for f in psutil.Process().open_files()
+        if f.path.startswith(str(directory)) and f.path.endswith(".db")
+    }
+
+
+def test_events_land_where_dagsters_own_storage_reads_them(tmp_path: Path) -> None:
+    write_instance_yaml(tmp_path)
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert isinstance(instance.event_log_storage, PooledSqliteEventLogStorage)
+        for step in range(3):
+            event = dg.AssetMaterialization("train_step", partition=str(step), metadata={"s": step})
+            instance.report_runless_asset_event(event)
+    stock = SqliteEventLogStorage(str(tmp_path / "history" / "runs"))
+    records = stock.fetch_materializations(dg.AssetKey("train_step"), limit=10).records
+    partitions = [r.asset_materialization.partition for r in records if r.asset_materialization]
+    assert sorted(partitions) == ["0", "1", "2"]
+
+
+def test_only_the_most_recently_used_databases_stay_open(tmp_path: Path) -> None:
+    storage = PooledSqliteEventLogStorage(str(tmp_path))
+    runs = [f"run{k}" for k in range(MAX_OPEN_DATABASES + 3)]
+    for run in runs:
+        with storage.run_connection(run) as conn:
+            conn.execute(text("select 1"))
+    still_open = open_databases(tmp_path)
+    assert str(tmp_path / f"{runs[-1]}.db") in still_open  # kept for the next event
+    assert str(tmp_path / f"{runs[0]}.db") not in still_open  # evicted
+    assert len(still_open) <= MAX_OPEN_DATABASES
+    storage.dispose()
+    assert not open_databases(tmp_path)

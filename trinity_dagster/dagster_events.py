@@ -1,0 +1,81 @@
+"""Dagster's SQLite event storage with one engine per database kept open between events.
+
+`SqliteEventLogStorage` builds a SQLAlchemy engine and opens a connection for every read and
+write, then disposes of both. A loop step logs four materialisations, and each one writes the
+run's database and the index database: building and opening took about 5 of an event's 8 ms
+(in process, 300 events). This subclass keeps each database's engine, and so its pooled
+connection, for the next call. Everything else, files and schema included, is Dagster's, so
+an instance can switch between the two classes. Engines of the `MAX_OPEN_DATABASES` most
+recently used databases stay open (a webserver reads many runs' databases); the others are
+disposed of.
+
+Configured in the instance's `dagster.yaml` (`trinity_dagster.dagster_instance`):
+
+    event_log_storage:
+      module: trinity_dagster.dagster_events
+      class: PooledSqliteEventLogStorage
+      config:
+        base_dir: <DAGSTER_HOME>/history/runs/
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
+from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
+from dagster._serdes import ConfigurableClassData
+from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection, Engine
+
+MAX_OPEN_DATABASES = 8
+
+
+class PooledSqliteEventLogStorage(SqliteEventLogStorage):
+    """`SqliteEventLogStorage` that reuses each database's engine and connection."""
+
+    def __init__(self, base_dir: str, inst_data: ConfigurableClassData | None = None) -> None:
+        self._engines: OrderedDict[str, Engine] = OrderedDict()
+        super().__init__(base_dir, inst_data)
+
+    @classmethod
+    def from_config_value(
+        cls, inst_data: ConfigurableClassData | None, config_value: Any
+    ) -> PooledSqliteEventLogStorage:
+        """The storage the instance's `dagster.yaml` configures."""
+        return cls(inst_data=inst_data, **config_value)
+
+    @contextmanager
+    def _connect(self, shard: str) -> Iterator[Connection]:
+        with self._db_lock:  # one connection at a time, as in the base class
+            engine = self._engine(shard)
+            if shard not in self._initialized_dbs:
+                self._initdb(engine)
+                self._initialized_dbs.add(shard)
+            with engine.connect() as conn, conn.begin():
+                yield conn
+
+    def _engine(self, shard: str) -> Engine:
+        """The engine of database `shard`, created on first use; evicts the least recent."""
+        engine = self._engines.pop(shard, None)
+        if engine is None:
+            engine = create_engine(
+                self.conn_string_for_shard(shard),
+                pool_size=1,
+                connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS},
+            )
+        self._engines[shard] = engine
+        while len(self._engines) > MAX_OPEN_DATABASES:
+            _, evicted = self._engines.popitem(last=False)
+            evicted.dispose()
+        return engine
+
+    def dispose(self) -> None:
+        """Close every kept engine, then let the base class clean up."""
+        with self._db_lock:
+            while self._engines:
+                self._engines.popitem()[1].dispose()
+        super().dispose()
