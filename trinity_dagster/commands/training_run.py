@@ -273,6 +273,7 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     import dagster as dg
 
     from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
+    from trinity_dagster.checkpoint.rules import sft_model_step
     from trinity_dagster.service.launcher import stop_service
 
     paths = RunPaths.of_config(config)
@@ -292,9 +293,9 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     state = read_trainer_state(paths)
     assert state is not None
     evaluations = {"start": scored[0], "end": scored[final_version]}
-    warmup = config.trainer.sft_warmup_steps
-    if 0 < warmup < final_version and warmup in scored:
-        evaluations["sft"] = scored[warmup]
+    sft = sft_model_step(config)
+    if sft in scored:
+        evaluations["sft"] = scored[sft]
     accuracy = held_out_accuracy(config, evaluations)
     rollouts = [(step, reward) for step, reward, demo in progress.rollout_rewards() if not demo]
     rewards = [reward for _, reward in rollouts]
