@@ -7,9 +7,11 @@ and Adam state) is trained by a `TrainEngine`; a `CheckpointManager` saves it.
   fsynced, manifest, rename) — the baseline.
 - background save, as the train loop sees it: the save is started after a step, training goes
   on and `poll()` runs after every step until the save is finalized. The loop's extra time is
-  the whole loop's wall time minus the same number of clean steps (median step time measured
-  in between): it includes `save()` returning, the steps slowed down while the writer runs
-  (CPU, copy-on-write faults) and the finalizing `poll()`. Parts are reported too.
+  the whole loop's wall time minus the same number of clean steps (the median of the 3 steps
+  right before the save and the 3 right after it, so that the machine's drift over the run
+  does not count): it includes `save()` returning, the steps slowed down while the writer runs
+  (CPU and GIL shared with it, copy-on-write faults) and the finalizing `poll()`. Parts are
+  reported too.
 - the first background save of the process is reported on its own (one-time set-up).
 - publishing synced weights (`publish_weights` of the engine's `hf_state_dict()`) against a
   plain `safetensors.torch.save_file` of the same tensors.
@@ -34,6 +36,8 @@ from typing import Any
 import torch
 
 from benchmarks.synthetic import grpo_batch, make_llama_dir
+
+CLEAN_STEPS_AROUND = 3  # clean steps before and after each background save, its baseline
 
 
 def timed(fn) -> float:
@@ -97,10 +101,12 @@ class Loop:
         self.poll_s += time.perf_counter() - polled
         return time.perf_counter() - started
 
-    def clean_step(self) -> None:
-        """A step with no save in flight, for the baseline step time."""
+    def clean_step(self) -> float:
+        """A step with no save in flight, for the baseline step time; its wall seconds."""
         assert not self.manager.pending_steps()
-        self.clean_steps.append(self.step())
+        took = self.step()
+        self.clean_steps.append(took)
+        return took
 
     def background_save(self, *, hf: bool, writer: str | None = None) -> dict[str, float]:
         """Save in the background and train until it is finalized; the loop's costs.
@@ -113,7 +119,7 @@ class Loop:
         default = self.engine._async_saves
         if writer is not None:
             self.engine._async_saves = SaveQueue(writer)
-        self.step()
+        around = [self.clean_step() for _ in range(CLEAN_STEPS_AROUND)]
         step = self.engine.step
         held = timed(lambda: self.manager.save(step, hf=hf, block=False))
         self.poll_s = 0.0
@@ -130,8 +136,8 @@ class Loop:
         if writer is not None:
             self.engine._async_saves.close()
             self.engine._async_saves = default
-        self.clean_step()
-        clean = statistics.median(self.clean_steps)
+        around += [self.clean_step() for _ in range(CLEAN_STEPS_AROUND)]
+        clean = statistics.median(around)
         return {
             "held_s": held,
             "poll_s": poll_s,
