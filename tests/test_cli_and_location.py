@@ -39,6 +39,16 @@ def test_config_show_reports_bad_key_with_exit_2(tmp_path: Path) -> None:
     assert str(cfg_file) in out.stderr
 
 
+def test_run_without_a_workspace_fails_with_the_cause_and_no_traceback(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"run_root: {tmp_path / 'r'}\n")
+    missing = tmp_path / "nowhere" / "workspace.yaml"
+    out = run(str(BIN / "trinity-dagster"), "run", "-c", str(cfg_file), "--workspace", str(missing))
+    assert out.returncode == 1
+    assert out.stderr.startswith(f"trinity-dagster: no Dagster workspace at {missing}"), out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_code_location_imports_no_torch_or_megatron() -> None:
     probe = (
         "import sys, time; t = time.perf_counter(); import assets.definitions as d; "

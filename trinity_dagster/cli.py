@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from trinity_dagster.commands.training_run import TrainingRunError
 from trinity_dagster.config import ConfigError
 
 # subcommand -> (module, one-line help)
@@ -51,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"trinity-dagster: {err}", file=sys.stderr)
         return 2
+    except TrainingRunError as err:  # the message names the cause; a traceback adds nothing
+        print(f"trinity-dagster: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
