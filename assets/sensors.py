@@ -40,6 +40,7 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trinity_dagster.checkpoint.rules import explore_steps_needed
+from trinity_dagster.dagster_instance import WILL_RETRY_TAG
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 from trinity_dagster.trainer.run_state import TrainerState, read_trainer_state
 
@@ -52,7 +53,6 @@ _STATUS = (
 _INTERVAL = _config.dagster.sensor_interval_s
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
-WILL_RETRY = "dagster/will_retry"
 MAX_ATTEMPTS = 3
 WORKER_PID = re.compile(r"Started process for run \(pid: (\d+)\)")
 BUSY = (
@@ -125,7 +125,7 @@ def launch_attempt(
     if last.status in BUSY:
         return f"{job_name} run {last.run_id} is {last.status.value.lower()}"
     if last.status == dg.DagsterRunStatus.FAILURE:
-        will_retry = last.tags.get(WILL_RETRY)
+        will_retry = last.tags.get(WILL_RETRY_TAG)
         if will_retry is None and instance.run_retries_enabled:
             return f"{job_name} run {last.run_id} failed; waiting for Dagster's retry decision"
         if will_retry == "true":

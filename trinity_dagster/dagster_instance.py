@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+WILL_RETRY_TAG = "dagster/will_retry"  # run retries' decision on a failed run: "true"/"false"
+
 INSTANCE_YAML = """\
 # Dagster instance of a trinity-dagster run (SQLite storage in this directory).
 event_log_storage:

@@ -24,7 +24,7 @@ from typing import Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
 from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig
-from trinity_dagster.dagster_instance import write_instance_yaml
+from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.steps import step_key
 from trinity_dagster.trainer.run_state import read_trainer_state, state_path
@@ -32,7 +32,6 @@ from trinity_dagster.trainer.run_state import read_trainer_state, state_path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
-WILL_RETRY = "dagster/will_retry"
 LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
 FAILED_TICKS = 3
 
@@ -158,7 +157,9 @@ class Progress:
         """One line per run that failed and that Dagster's run retries start again."""
         dg = self.dg
         failed = self.instance.get_runs(
-            filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY: "true"})
+            filters=dg.RunsFilter(
+                statuses=[dg.DagsterRunStatus.FAILURE], tags={WILL_RETRY_TAG: "true"}
+            )
         )
         lines = []
         for run in failed:
@@ -215,7 +216,7 @@ class Progress:
             if run.run_id in self.reported_failures:
                 continue
             step_failure = run.tags.get(FAILURE_REASON) == "STEP_FAILURE"
-            if not step_failure and run.tags.get(WILL_RETRY) != "false":
+            if not step_failure and run.tags.get(WILL_RETRY_TAG) != "false":
                 continue  # retried by the daemon, or not decided yet
             self.reported_failures.add(run.run_id)
             return f"{run.job_name} run {run.run_id} failed: {self._error(run.run_id)}"
