@@ -1,15 +1,14 @@
 """Full checkpoints: saved (in the background or blocking), finalized with a manifest, resumed.
 
 A save writes into a hidden temp directory `.global_step_N.tmp-<config hash>/`: the HF export
-(if asked), then the provider's state. When the provider's save is done, a helper thread
-hashes and fsyncs every file, writes the manifest last and renames the directory to
-`global_step_N/` (a complete checkpoint of that step already there is kept), so that a
-background save does not hold the train loop for any of it; then
-`latest_checkpointed_iteration.txt` moves forward and retention runs. Background saves are
-finalized by `poll()` / `wait()` / `wait_all()`, which also raise the errors of failed saves.
-Under torch.distributed every rank calls the same methods in the same order (the provider's
-saves are collective); only rank 0 hashes and writes manifests and markers, and whether it
-is done is rank 0's answer, broadcast.
+(if asked), then the provider's state. When the provider's save is done, every file is hashed
+and fsynced (on a helper thread, so a background save does not hold the train loop for it),
+then the manifest is written last, the directory is renamed to `global_step_N/` (a complete
+checkpoint of that step already there is kept), `latest_checkpointed_iteration.txt` moves
+forward and retention runs. Background saves are finalized by `poll()` / `wait()` /
+`wait_all()`, which also raise the errors of failed saves. Under torch.distributed every rank
+calls the same methods in the same order (the provider's saves are collective); only rank 0
+hashes and writes manifests and markers, and whether it is done is rank 0's answer, broadcast.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ class CheckpointSaveError(RuntimeError):
 class SaveTicket:
     """One checkpoint save: pending until finalized, then `manifest` is set (on rank 0).
 
-    A pending save is first writing (`handle` not done), then installing (`installing`
-    running: its files hashed, the manifest written, the directory renamed into place).
+    A pending save is first writing (`handle` not done), then hashing (`hashing` running).
     """
 
     step: int
@@ -72,7 +70,7 @@ class SaveTicket:
     serves_as_sync: bool
     sampler_state: dict[str, Any]
     handle: SaveHandle | None = field(repr=False, default=None)
-    installing: Future[None] | None = field(repr=False, default=None)
+    hashing: Future[Manifest] | None = field(repr=False, default=None)
     written: bool = False
     finished: bool = False
     manifest: Manifest | None = None
@@ -262,9 +260,7 @@ class CheckpointManager:
             assert ticket.handle is not None
             if not ticket.written and ticket.handle.done():
                 self._written(ticket)
-            if ticket.written and _from_rank0(
-                ticket.installing is None or ticket.installing.done()
-            ):
+            if ticket.written and _from_rank0(ticket.hashing is None or ticket.hashing.done()):
                 self._complete(ticket)
                 finished.append(ticket)
         return finished
@@ -295,7 +291,7 @@ class CheckpointManager:
             raise first_error
 
     def _written(self, ticket: SaveTicket) -> None:
-        """The provider's save is done: finish it, then install it on the helper thread."""
+        """The provider's save is done: finish it, then hash its files on the helper thread."""
         assert ticket.handle is not None
         try:
             ticket.handle.wait()
@@ -303,23 +299,30 @@ class CheckpointManager:
             self._fail(ticket, err)
         ticket.written = True
         if self.writer:
-            ticket.installing = self._helper_thread().submit(self._install, ticket)
+            ticket.hashing = self._helper_thread().submit(
+                build_manifest,
+                ticket.tmp_dir,
+                step=ticket.step,
+                config_hash=self._config_hash,
+                sampler_state=ticket.sampler_state,
+            )
 
     def _complete(self, ticket: SaveTicket) -> None:
-        """Installed (on the helper thread): markers forward, then retention."""
-        if ticket.installing is not None:
+        """Files hashed: write the manifest, install the directory, markers, retention."""
+        if ticket.hashing is not None:
             try:
-                ticket.installing.result()
+                manifest = ticket.hashing.result()
             except Exception as err:
                 self._fail(ticket, err)
             del self._pending[ticket.step]
+            self._install(ticket, manifest)
             self._after_install(ticket)
         else:
             del self._pending[ticket.step]
         ticket.finished = True
 
     def _helper_thread(self) -> ThreadPoolExecutor:
-        """The one thread that installs saves and runs retention, in the order submitted."""
+        """The one thread that hashes saves and runs retention, in the order submitted."""
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-helper")
         return self._helper
@@ -338,14 +341,8 @@ class CheckpointManager:
             f"saving checkpoint of step {ticket.step} into {ticket.tmp_dir} failed: {err}"
         ) from err
 
-    def _install(self, ticket: SaveTicket) -> None:
-        """Hash the written files, manifest last, then rename the temp directory into place."""
-        manifest = build_manifest(
-            ticket.tmp_dir,
-            step=ticket.step,
-            config_hash=self._config_hash,
-            sampler_state=ticket.sampler_state,
-        )
+    def _install(self, ticket: SaveTicket, manifest: Manifest) -> None:
+        """Manifest last, then rename the temp directory to `global_step_N/`."""
         write_manifest(ticket.tmp_dir, manifest)
         final = ticket.directory
         if final.exists():
@@ -374,15 +371,10 @@ class CheckpointManager:
             self.monitor.notify_finished(ticket.step, is_state_dict=True)
         self._check_retention(block=True)
         self._retention = self._helper_thread().submit(
-            self._prune, in_progress=[t.tmp_dir for t in self._pending.values()]
-        )
-
-    def _prune(self, *, in_progress: list[Path]) -> None:
-        """Retention, on the helper thread (where `_install` adds to the checkpoints hashed)."""
-        prune_checkpoints(
+            prune_checkpoints,
             self.paths,
             self.config.trainer.max_checkpoints_to_keep,
-            in_progress=in_progress,
+            in_progress=[t.tmp_dir for t in self._pending.values()],
             hashed=set(self._hashed),
             keep_step=sft_model_step(self.config),
         )
