@@ -35,7 +35,6 @@ from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
     latest_weights_version,
-    published_weights_dir,
     scan_step_dirs,
 )
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
@@ -205,7 +204,12 @@ def explorer_request(
 def checkpoint_records(
     instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """Materialisations of complete checkpoints not recorded yet, without a run."""
+    """Materialisations of complete checkpoints not recorded yet, without a run.
+
+    A checkpoint whose save serves as the sync gets `synced_weights[N]` once the weights
+    marker names N, which the trainer moves just after the checkpoint is complete: until then
+    it is looked at again on every tick.
+    """
     paths = run_config.paths
     recorded = {
         asset: instance.get_materialized_partitions(dg.AssetKey(asset))
@@ -216,7 +220,11 @@ def checkpoint_records(
     events: list[dg.AssetMaterialization] = []
     for entry in scan_step_dirs(paths.checkpoints):
         key = step_key(entry.step)
-        if entry.kind != "final" or key in recorded[CHECKPOINT] or key not in known:
+        if entry.kind != "final" or key not in known:
+            continue
+        if key in recorded[CHECKPOINT] and (
+            key in recorded[SYNCED] or not (entry.path / HF_SUBDIR / "config.json").is_file()
+        ):
             continue
         try:
             manifest = verify_checkpoint(entry.path, checksums=False)
@@ -235,27 +243,28 @@ def checkpoint_events(
     published: int,
     run_config: RunConfigResource,
 ) -> list[dg.AssetMaterialization]:
-    """`checkpoint[N]`, and `hf_model[N]` / `synced_weights[N]` where they apply."""
+    """`checkpoint[N]`, `hf_model[N]` and `synced_weights[N]`, those that apply and are due."""
     paths = run_config.paths
     key = step_key(step)
     ckpt = checkpoint_dir(paths, step)
-    info = {
-        "path": str(ckpt),
-        "size_bytes": sum(entry.size for entry in manifest.files),
-        "files": len(manifest.files),
-        "manifest_sha256": manifest.digest(),
-    }
-    events = [
-        dg.AssetMaterialization(CHECKPOINT, partition=key, metadata=checkpoint_metadata(info))
-    ]
+    events = []
+    if key not in recorded[CHECKPOINT]:
+        info = {
+            "path": str(ckpt),
+            "size_bytes": sum(entry.size for entry in manifest.files),
+            "files": len(manifest.files),
+            "manifest_sha256": manifest.digest(),
+        }
+        events.append(
+            dg.AssetMaterialization(CHECKPOINT, partition=key, metadata=checkpoint_metadata(info))
+        )
     hf_dir = ckpt / HF_SUBDIR
     if (hf_dir / "config.json").is_file():
         if key not in recorded[HF_MODEL]:
             events.append(
                 dg.AssetMaterialization(HF_MODEL, partition=key, metadata=hf_metadata(hf_dir))
             )
-        serves_as_sync = not (published_weights_dir(paths, step) / "config.json").is_file()
-        if serves_as_sync and published >= step and key not in recorded[SYNCED]:
+        if manifest.serves_as_sync and published >= step and key not in recorded[SYNCED]:
             events.append(
                 dg.AssetMaterialization(
                     SYNCED,

@@ -36,6 +36,23 @@ def _make_checkpoint(root: Path, step: int = 7) -> Path:
     return ckpt
 
 
+def test_manifest_says_whether_the_checkpoint_served_as_the_sync(tmp_path: Path) -> None:
+    ckpt = _make_checkpoint(tmp_path)
+    assert read_manifest(ckpt).serves_as_sync is False
+    served = build_manifest(
+        ckpt, step=7, config_hash="abc123", sampler_state={}, serves_as_sync=True
+    )
+    write_manifest(ckpt, served)
+    assert read_manifest(ckpt).serves_as_sync is True
+    older = json.loads((ckpt / MANIFEST_FILE).read_text())
+    del older["serves_as_sync"]  # written before the field existed: not a sync
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(older))
+    assert read_manifest(ckpt).serves_as_sync is False
+    (ckpt / MANIFEST_FILE).write_text(json.dumps({**older, "serves_as_sync": "yes"}))
+    with pytest.raises(CorruptCheckpointError, match="serves_as_sync"):
+        read_manifest(ckpt)
+
+
 def test_manifest_lists_every_file_with_size_and_sha256(tmp_path: Path) -> None:
     ckpt = _make_checkpoint(tmp_path)
     data = json.loads((ckpt / MANIFEST_FILE).read_text())

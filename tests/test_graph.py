@@ -14,7 +14,8 @@ from assets.weights import save
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from tests.run_helpers import fill_buffer, tiny_config
-from trinity_dagster.checkpoint.layout import checkpoint_dir
+from trinity_dagster.checkpoint.layout import checkpoint_dir, set_latest_weights_version
+from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
 from trinity_dagster.commands.training_run import metadata_values
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
@@ -161,3 +162,41 @@ def test_engine_errors_fail_the_run_with_the_cause(graph) -> None:
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     text = str(failure.event_specific_data.error)
     assert "step 3" in text
+
+
+def test_a_sync_served_by_a_checkpoint_is_recorded_when_the_weights_marker_names_it(
+    tmp_path: Path,
+) -> None:
+    # the trainer moves the weights marker just after the checkpoint is complete: a tick in
+    # between records the checkpoint, and a later tick still records its sync
+    config, config_file = tiny_config(tmp_path)
+    run_config = RunConfigResource(config_path=str(config_file))
+    paths = RunPaths.of_config(config)
+    for step, serves in ((2, True), (3, False)):  # 3: an HF export that was not a sync
+        ckpt = checkpoint_dir(paths, step)
+        (ckpt / "huggingface").mkdir(parents=True)
+        (ckpt / "huggingface" / "config.json").write_text("{}")
+        manifest = build_manifest(
+            ckpt, step=step, config_hash="h", sampler_state={}, serves_as_sync=serves
+        )
+        write_manifest(ckpt, manifest)
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("step", ["000002", "000003"])
+
+        def tick() -> set[tuple[str, str]]:
+            result = checkpoint_records(instance, run_config)
+            if isinstance(result, dg.SkipReason):
+                return set()
+            for event in result.asset_events:
+                instance.report_runless_asset_event(event)
+            return {(e.asset_key.to_user_string(), e.partition) for e in result.asset_events}
+
+        complete = {
+            (asset, key) for asset in ("checkpoint", "hf_model") for key in ("000002", "000003")
+        }
+        assert tick() == complete
+        assert tick() == set()
+        set_latest_weights_version(paths, 3)
+        assert tick() == {("synced_weights", "000002")}
+        assert tick() == set()

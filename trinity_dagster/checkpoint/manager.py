@@ -305,6 +305,7 @@ class CheckpointManager:
                 step=ticket.step,
                 config_hash=self._config_hash,
                 sampler_state=ticket.sampler_state,
+                serves_as_sync=ticket.serves_as_sync,
             )
 
     def _complete(self, ticket: SaveTicket) -> None:

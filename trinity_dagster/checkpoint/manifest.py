@@ -2,7 +2,8 @@
 
 A checkpoint directory without a valid manifest is incomplete by definition. The manifest also
 holds the step, the configuration hash and the sampler cursor, so the data position and the
-weights of a checkpoint can never disagree.
+weights of a checkpoint can never disagree, and whether its HF export is the sync of its step
+(written once, read by whoever records the sync).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Manifest:
     config_hash: str
     sampler_state: dict[str, Any]
     files: tuple[FileEntry, ...]
+    serves_as_sync: bool = False  # its `huggingface/` export is the sync of its step
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     complete: bool = True
     version: int = MANIFEST_VERSION
@@ -59,6 +61,7 @@ class Manifest:
                 "config_hash": self.config_hash,
                 "created_at": self.created_at,
                 "sampler_state": self.sampler_state,
+                "serves_as_sync": self.serves_as_sync,
                 "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
                 "complete": self.complete,
             },
@@ -87,6 +90,9 @@ class Manifest:
                     )
                     for item in _typed(data, "files", list)
                 ),
+                serves_as_sync=_typed(data, "serves_as_sync", bool)
+                if "serves_as_sync" in data
+                else False,
                 created_at=_typed(data, "created_at", str),
                 complete=_typed(data, "complete", bool),
                 version=_typed(data, "version", int),
@@ -129,9 +135,17 @@ def sha256_file(path: Path, *, fsync: bool = False) -> str:
 
 
 def build_manifest(
-    ckpt_dir: Path, *, step: int, config_hash: str, sampler_state: dict[str, Any]
+    ckpt_dir: Path,
+    *,
+    step: int,
+    config_hash: str,
+    sampler_state: dict[str, Any],
+    serves_as_sync: bool = False,
 ) -> Manifest:
-    """List, hash and fsync every file under `ckpt_dir` (except a manifest) into a Manifest."""
+    """List, hash and fsync every file under `ckpt_dir` (except a manifest) into a Manifest.
+
+    `serves_as_sync` records that the checkpoint's HF export is the sync of its step.
+    """
     try:
         json.dumps(sampler_state)
     except (TypeError, ValueError) as err:
@@ -153,7 +167,11 @@ def build_manifest(
     if not entries:
         raise ValueError(f"{ckpt_dir}: no files to put in a manifest")
     return Manifest(
-        step=step, config_hash=config_hash, sampler_state=dict(sampler_state), files=tuple(entries)
+        step=step,
+        config_hash=config_hash,
+        sampler_state=dict(sampler_state),
+        files=tuple(entries),
+        serves_as_sync=serves_as_sync,
     )
 
 
