@@ -7,9 +7,9 @@ cost took about an eighth of a core, beside a loop that keeps both cores busy. I
   over steps next..total_steps (the trainer loop, waiting for data itself);
 - `explorer_request` (`dagster.builtin_explorer`): likewise one `rollouts_job` run of the
   built-in explorer loop;
-- `checkpoint_records`: records `checkpoint[N]`, `hf_model[N]` (and `synced_weights[N]`
-  when the checkpoint's export serves as the sync) once a background save's manifest
-  lands, without a run, holding no pool slot;
+- `checkpoint_records`: records `checkpoint[N]` and `hf_model[N]` once a background save's
+  manifest lands (and `synced_weights[N]`, when the manifest says the export serves as the
+  sync, once the weights marker names N), without a run, holding no pool slot;
 - `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
   warm-up's last (checkpointed) and the final weights.
 A run killed with its worker is retried by Dagster's run retries (see
