@@ -242,36 +242,152 @@ def _row_problem(row: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def conform_table(table: pa.Table, now: dt.datetime) -> tuple[pa.Table | None, str, str]:
-    """Cast an input arrow table to the input schema, or (None, field, reason) if impossible."""
-    for name in table.column_names:
+def _columns_problem(names: Sequence[str]) -> tuple[str, str] | None:
+    """(column, reason) if the columns of an input table are not a valid set, else None."""
+    for name in names:
         if name == "ingest_seq":
-            return None, name, "ingest_seq: assigned by the writer, must not be given"
+            return name, "ingest_seq: assigned by the writer, must not be given"
         if name not in INPUT_SCHEMA.names:
-            return None, name, f"{name}: unknown column"
+            return name, f"{name}: unknown column"
     for name in REQUIRED:
-        if name not in table.column_names:
-            return None, name, f"{name}: missing required column"
-    n = table.num_rows
-    columns = []
+        if name not in names:
+            return name, f"{name}: missing required column"
+    return None
+
+
+_LIST_TYPES = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+
+
+def _same_kind(source: pa.DataType, target: pa.DataType) -> bool:
+    """Whether arrow type `source` holds the kind of values the row path accepts for `target`.
+
+    Integers for integer columns, numbers for float columns, text, booleans, timezone-aware
+    timestamps, and lists of those; an all-null type fits any column.
+    """
+    if pa.types.is_null(source):
+        return True
+    if pa.types.is_dictionary(source):
+        return _same_kind(source.value_type, target)
+    if pa.types.is_list(target):
+        is_list = any(check(source) for check in _LIST_TYPES)
+        return is_list and _same_kind(source.value_type, target.value_type)
+    if pa.types.is_integer(target):
+        return pa.types.is_integer(source)
+    if pa.types.is_floating(target):
+        return pa.types.is_integer(source) or pa.types.is_floating(source)
+    if pa.types.is_string(target):
+        return pa.types.is_string(source) or pa.types.is_large_string(source)
+    if pa.types.is_boolean(target):
+        return pa.types.is_boolean(source)
+    if pa.types.is_timestamp(target):
+        return pa.types.is_timestamp(source) and source.tz is not None
+    return False
+
+
+def _cast_is_safe(target: pa.DataType) -> bool:
+    """Casts to `target` must not lose data, except to floats: numbers round as float() does."""
+    element = target.value_type if pa.types.is_list(target) else target
+    return not pa.types.is_floating(element)
+
+
+def _cast_failures(
+    column: pa.ChunkedArray, target: pa.DataType, rows: np.ndarray | None = None
+) -> list[tuple[int, str]]:
+    """(index, error) of each of `rows` (default all) of `column` that does not cast to `target`.
+
+    Parts are copied with `take`: a cast of a sliced list array checks its whole child array.
+    """
+    try:
+        (column if rows is None else column.take(rows)).cast(target, safe=_cast_is_safe(target))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+        if rows is None:
+            return _cast_failures(column, target, np.arange(len(column)))
+        if len(rows) == 1:
+            return [(int(rows[0]), str(err))]
+        half = len(rows) // 2
+        return _cast_failures(column, target, rows[:half]) + _cast_failures(
+            column, target, rows[half:]
+        )
+    return []
+
+
+def _unstorable(column: pa.ChunkedArray, field: pa.Field) -> list[tuple[int, str]]:
+    """(index, reason) of each value of `column` that `field` cannot hold.
+
+    The reason is the one the row path gives for the value, else what Arrow objects to.
+    """
+    if _same_kind(column.type, field.type):
+        failures = _cast_failures(column, field.type)
+    else:
+        refused = f"column type {column.type} does not hold {field.type} values"
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        failures = [(int(i), refused) for i in np.flatnonzero(valid)]
+    return [
+        (i, _check_field(field.name, column[i].as_py()) or f"{field.name}: {error}")
+        for i, error in failures
+    ]
+
+
+def _refused_rows(table: pa.Table) -> dict[int, tuple[str, str]]:
+    """Rows with a value their column cannot hold: index -> (field, reason) of the first."""
+    refused: dict[int, tuple[str, str]] = {}
     for field in INPUT_SCHEMA:
         if field.name in table.column_names:
-            column = table.column(field.name)
-            try:
-                column = column.cast(field.type, safe=True)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
-                return (
-                    None,
-                    field.name,
-                    f"{field.name}: column type {column.type} cannot be cast to {field.type} "
-                    f"({err})",
-                )
-        elif field.name == "created_at":
-            column = pa.array([now] * n, type=field.type)
-        else:
-            column = pa.array([OPTIONAL_DEFAULTS[field.name]] * n, type=field.type)
-        columns.append(column)
-    return pa.Table.from_arrays(columns, schema=INPUT_SCHEMA.with_metadata(None)), "", ""
+            for index, reason in _unstorable(table.column(field.name), field):
+                refused.setdefault(index, (field.name, reason))
+    return refused
+
+
+def _conformed_column(table: pa.Table, field: pa.Field, now: dt.datetime) -> pa.ChunkedArray:
+    """Column `field` of rows whose values it can hold, as its type; absent: its default."""
+    n = table.num_rows
+    if field.name not in table.column_names:
+        default = now if field.name == "created_at" else OPTIONAL_DEFAULTS[field.name]
+        return pa.chunked_array([pa.array([default] * n, type=field.type)])
+    column = table.column(field.name)
+    if not _same_kind(column.type, field.type):
+        return pa.chunked_array([pa.nulls(n, field.type)])  # non-null values were refused
+    return column.cast(field.type, safe=_cast_is_safe(field.type))
+
+
+def conform_table(table: pa.Table, now: dt.datetime) -> tuple[pa.Table, list[int], list[Rejection]]:
+    """Cast an input arrow table to the input schema; its storable rows, their indices, rejects.
+
+    A bad set of columns rejects every row; a value its column cannot hold rejects its row,
+    with the reason the row path gives for that value.
+    """
+    problem = _columns_problem(table.column_names)
+    if problem is not None:
+        field, reason = problem
+        rejects = [
+            Rejection(i, None, field, reason, row_to_json(row))
+            for i, row in enumerate(table.to_pylist())
+        ]
+        return INPUT_SCHEMA.empty_table(), [], rejects
+    refused = _refused_rows(table)
+    keep = np.ones(table.num_rows, dtype=bool)
+    keep[list(refused)] = False
+    rejects = _refusals(table, refused)
+    good = table.filter(pa.array(keep))  # a copy: casts of its lists check only these rows
+    columns = [_conformed_column(good, field, now) for field in INPUT_SCHEMA]
+    conformed = pa.Table.from_arrays(columns, schema=INPUT_SCHEMA.with_metadata(None))
+    return conformed, np.flatnonzero(keep).tolist(), rejects
+
+
+def _refusals(table: pa.Table, refused: dict[int, tuple[str, str]]) -> list[Rejection]:
+    """The rejections of the `refused` rows of `table`, in row order."""
+    indices = sorted(refused)
+    rows = table.take(pa.array(indices, pa.int64())).to_pylist() if indices else []
+    return [
+        Rejection(i, _eid_of(row), *refused[i], row_to_json(row))
+        for i, row in zip(indices, rows, strict=True)
+    ]
+
+
+def _eid_of(row: Mapping[str, Any]) -> str | None:
+    """The eid of an input row, if it is text."""
+    eid = row.get("eid")
+    return eid if isinstance(eid, str) else None
 
 
 def _np(array: pa.ChunkedArray | pa.Array, fill: Any) -> np.ndarray:

@@ -31,7 +31,6 @@ from trinity_dagster.buffer.tables import (
     writer_properties,
 )
 from trinity_dagster.buffer.validation import (
-    INPUT_SCHEMA,
     Rejection,
     conform_table,
     row_to_json,
@@ -86,18 +85,10 @@ class ExperienceWriter:
         """
         _check_rows_container(rows)
         now = dt.datetime.now(dt.UTC)
-        structural: list[Rejection] = []
         if isinstance(rows, pa.Table):
-            table, bad_field, bad_reason = conform_table(rows, now)
-            if table is None:
-                structural = [
-                    Rejection(i, None, bad_field, bad_reason, row_to_json(row))
-                    for i, row in enumerate(rows.to_pylist())
-                ]
-                table = INPUT_SCHEMA.empty_table()
-            kept = list(range(table.num_rows))
+            table, kept, unstorable = conform_table(rows, now)
         else:
-            table, kept, structural = rows_to_table(rows, now)
+            table, kept, unstorable = rows_to_table(rows, now)
         known = self._known_versions() if self._known_versions is not None else None
         outcome: dict[str, Any] = {}
 
@@ -122,7 +113,7 @@ class ExperienceWriter:
             outcome.update(problems=problems, written=valid.num_rows, version=version)
 
         retry_commits(attempt, self._max_retries, f"experience write to {self._paths.experiences}")
-        rejects = structural + self._semantic_rejects(table, kept, outcome["problems"])
+        rejects = unstorable + self._semantic_rejects(table, kept, outcome["problems"])
         rejects.sort(key=lambda r: r.index)
         append_quarantine(
             self._paths.quarantine,
