@@ -7,6 +7,7 @@ two file system touches (creating the parent directory, a `stat` of the log) go 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,85 @@ def test_locations_join_and_map_to_local_paths() -> None:
     assert join_location("file:///data/", "batches") == "file:///data/batches"
     assert join_location("/data", "batches") == "/data/batches"
     assert join_location(Path("/data"), "batches") == "/data/batches"
+
+
+def _write_pin_read(config) -> None:
+    """One write (4 good rows, 1 quarantined), a pin, a read, stats and a compaction."""
+    bad = {**make_rows("bad", 1)[0], "reward": float("nan")}
+    report = ExperienceWriter(config).write([*make_rows("a", 4), bad])
+    assert (report.written, report.quarantined) == (4, 1)
+    pinned = pin_batch(config, 1)
+    assert isinstance(pinned, PinResult) and len(pinned.eids) == 4
+    assert sorted(load_step_batch(config, 1).column("eid").to_pylist()) == sorted(pinned.eids)
+    stats = table_stats(config)
+    assert (stats["row_count"], stats["quarantined"], stats["unconsumed"]) == (4, 1, 0)
+    assert set(compact(config)) == {"experiences", "batches", "quarantine"}
+
+
+# Legal directory names Delta Lake addresses as they are: none of them may be decoded.
+ADDRESSABLE_NAMES = {
+    "space": "my runs",
+    "hash": "run#3",
+    "non-ascii": "läufe-日本-😊",
+    "percent-without-hex": "100% done %zz",
+    "url-punctuation": "q?{x}@y;a=b&c+d,$!'()*~:`\"<>",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADDRESSABLE_NAMES))
+def test_tables_under_a_root_with_special_characters_land_in_that_directory(tmp_path, case):
+    name = ADDRESSABLE_NAMES[case]
+    root = tmp_path / name / "run"
+    config = make_config(root)
+    _write_pin_read(config)
+    for table in ("experiences", "batches", "quarantine"):
+        assert (root / table / "_delta_log" / "00000000000000000000.json").is_file()
+        assert list((root / table).glob("*.parquet"))
+    assert DeltaTable(str(root / "experiences")).to_pyarrow_table().num_rows == 4
+    # nothing went to an encoded or decoded variant of the name
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+@pytest.mark.parametrize("via_uri", [False, True], ids=["path", "file-uri"])
+def test_a_tables_root_with_special_characters_works_as_a_file_uri_too(tmp_path, via_uri):
+    tables = tmp_path / "shared tables #1 ü"
+    config = make_config(tmp_path / "run", tables_root=tables.as_uri() if via_uri else str(tables))
+    _write_pin_read(config)
+    assert {p.name for p in tables.iterdir()} == {"experiences", "batches", "quarantine"}
+    assert [p.name for p in tmp_path.iterdir()] == [tables.name]  # none under the run root
+
+
+# Legal names deltalake 1.6 mishandles in a table's real path: a write panics ("Invalid object
+# store url"), or the path is decoded again or split, so tables would land elsewhere.
+UNADDRESSABLE_NAMES = {
+    "caret": ("run^1", "'^'"),
+    "percent-20": ("my%20runs", "'%20'"),
+    "percent-hex": ("a%41b", "'%41'"),
+    "pipe": ("a|b", "'|'"),
+    "brackets": ("runs[1]", "'[', ']'"),
+    "backslash": ("a\\b", repr("\\")),
+    "tab": ("a\tb", repr("\t")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNADDRESSABLE_NAMES))
+def test_a_root_delta_lake_cannot_address_is_refused_before_anything_is_written(tmp_path, case):
+    name, shown = UNADDRESSABLE_NAMES[case]
+    root = tmp_path / name / "run"
+    config = make_config(root)
+    refused = rf"contains {re.escape(shown)}, which Delta Lake cannot address.*run_root"
+    with pytest.raises(ValueError, match=refused):
+        ExperienceWriter(config).write(make_rows("a", 2))
+    with pytest.raises(ValueError, match=refused):
+        table_stats(config)
+    assert not root.exists()
+
+
+def test_a_safe_link_to_an_unaddressable_directory_is_refused_too(tmp_path):
+    """Delta Lake resolves links, so a link does not hide the characters of the real path."""
+    real = tmp_path / "run^1"
+    real.mkdir()
+    link = tmp_path / "run"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match=r"real path '.*run\^1/experiences'"):
+        ExperienceWriter(make_config(link)).write(make_rows("a", 2))
