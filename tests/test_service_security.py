@@ -7,6 +7,7 @@ what only real processes show: listening sockets and a stopped rank 0.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -143,6 +144,45 @@ def test_steps_outside_the_range_are_refused_by_name(path: str, step: int, allow
     assert response.status_code == 422 and bus.commands == []
     message = response.json()["error"]
     assert f"step {step} is outside the allowed range {allowed}" in message, message
+
+
+@pytest.mark.parametrize(
+    "path", ["/train_step", "/save_checkpoint", "/sync_weight", "/upload_weights"]
+)
+@pytest.mark.parametrize("step", [True, False, "1", 1.0], ids=["true", "false", "text", "float"])
+def test_a_step_that_is_not_a_json_integer_is_refused_by_name(path: str, step: object) -> None:
+    response, bus = call("POST", path, headers=AUTH, json={"step": step})
+    assert response.status_code == 422 and bus.commands == []
+    message = response.json()["error"]
+    assert message == f"invalid request to {path}: body.step: Input should be a valid integer"
+
+
+def test_the_client_sends_every_step_as_a_json_integer() -> None:
+    from trinity_dagster.service.client import EngineClient
+
+    sent: list[tuple[str, bytes]] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, request.content))
+        return httpx.Response(200, json={})
+
+    client = EngineClient("http://engine", TOKEN)
+    client._client = httpx.Client(base_url="http://engine", transport=httpx.MockTransport(record))
+    client.train_step(3)
+    client.save_checkpoint(3, block=False, hf=True)
+    client.sync_weight(3)
+    client.upload_weights(3)
+    assert [path for path, _ in sent] == [
+        "/train_step",
+        "/save_checkpoint",
+        "/sync_weight",
+        "/upload_weights",
+    ]
+    for path, body in sent:
+        assert type(json.loads(body)["step"]) is int, path
+        headers = {**AUTH, "Content-Type": "application/json"}
+        response, bus = call("POST", path, headers=headers, content=body)
+        assert response.status_code == 200 and bus.commands[0][1]["step"] == 3, path
 
 
 def test_train_step_far_ahead_is_refused_without_walking_the_steps(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
 
 TOKEN_HEADER = "Authorization"
 MAX_STEP = 999_999_999
@@ -21,8 +21,9 @@ def _step_from(low: int) -> AfterValidator:
     return AfterValidator(check)
 
 
-TrainedStep = Annotated[int, _step_from(1)]
-WeightsStep = Annotated[int, _step_from(0)]
+# Strict: a step is a JSON integer; `true`, `"1"` or `1.0` are refused, not read as 1.
+TrainedStep = Annotated[int, Strict(), _step_from(1)]
+WeightsStep = Annotated[int, Strict(), _step_from(0)]
 
 
 class _Request(BaseModel):
