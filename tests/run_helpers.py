@@ -41,7 +41,7 @@ TINY: dict[str, Any] = {
         "eval_tasks": 16,
     },
     "service": {"idle_timeout_s": 900, "start_timeout_s": 240, "request_timeout_s": 600},
-    "dagster": {"sensor_interval_s": 1},
+    "dagster": {"sensor_interval_s": 5},
 }
 
 

@@ -14,6 +14,7 @@ from trinity_dagster.config import (
     AlgorithmConfig,
     ConfigError,
     TrinityConfig,
+    check_inputs,
     load_config,
 )
 from trinity_dagster.service.server import check_bind_host
@@ -104,6 +105,11 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
             "'grpo', 'rloo', 'reinforce_plus_plus', 'opmd', 'gspo' or 'sft'",
         ),
         ({"buffers": {}}, "buffers", "unknown key"),
+        (
+            {"dagster": {"sensor_interval_s": 4}},
+            "dagster.sensor_interval_s",
+            "at least 5: Dagster's sensor daemon evaluates sensors at most every 5 s",
+        ),
     ],
 )
 def test_bad_config_names_file_and_key_path(
@@ -145,6 +151,77 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     assert "not found" in error_of(tmp_path / "absent.yaml")
     assert "invalid YAML" in error_of(write(tmp_path, "trainer: [unclosed", "bad.yaml"))
     assert "top level must be a mapping" in error_of(write(tmp_path, "- 1\n- 2\n", "list.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("text", "key_path", "lines"),
+    [
+        ("trainer:\n  total_steps: 3\nname: x\ntrainer:\n  seed: 1\n", "trainer", (1, 4)),
+        ("model:\n  hidden_size: 64\n  hidden_size: 32\n", "model.hidden_size", (2, 3)),
+        ("monitor:\n  backends: [{a: 1, a: 2}]\n", "monitor.backends[0].a", (2, 2)),
+    ],
+    ids=["section", "nested key", "flow mapping in a list"],
+)
+def test_a_key_given_twice_is_refused_with_its_path_and_both_lines(
+    tmp_path: Path, text: str, key_path: str, lines: tuple[int, int]
+) -> None:
+    path = write(tmp_path, text)
+    message = error_of(path)
+    assert message == (
+        f"invalid configuration in {path}: {key_path}: given twice, on lines {lines[0]} and "
+        f"{lines[1]} (YAML would silently keep only the last)"
+    )
+
+
+def test_aliases_and_merge_keys_are_no_duplicates(tmp_path: Path) -> None:
+    text = "trainer: {<<: {seed: 1}, seed: &s 7}\nexplorer:\n  seed: *s\n"
+    cfg = load_config(write(tmp_path, text))
+    assert (cfg.trainer.seed, cfg.explorer.seed) == (7, 7)
+
+
+def test_inputs_that_exist_pass_and_outputs_need_not_exist(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "tasks.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    data = {
+        "run_root": "not/yet",
+        "buffer": {"tables_root": "tables/not/yet"},
+        "model": {"path": "model"},
+        "explorer": {"taskset": "tasks.jsonl", "eval_taskset": "addition_eval"},
+    }
+    check_inputs(load_config(write(tmp_path, data)))
+    check_inputs(load_config(None))  # the built-in task sets need no file
+
+
+@pytest.mark.parametrize(
+    ("data", "missing"),
+    [
+        ({"explorer": {"taskset": "a.jsonl"}}, "explorer.taskset: no such task file: {}/a.jsonl"),
+        (
+            {"explorer": {"eval_taskset": "b.jsonl"}},
+            "explorer.eval_taskset: no such task file: {}/b.jsonl",
+        ),
+        ({"model": {"path": "hf"}}, "model.path: no such directory: {}/hf"),
+        (
+            {"model": {"path": "hf"}, "explorer": {"taskset": "a.jsonl"}},
+            "model.path: no such directory: {0}/hf; explorer.taskset: no such task file: "
+            "{0}/a.jsonl",
+        ),
+    ],
+)
+def test_a_missing_input_is_named_with_its_key_path_and_path(
+    tmp_path: Path, data: dict, missing: str
+) -> None:
+    config = load_config(write(tmp_path, data))
+    with pytest.raises(ConfigError) as err:
+        check_inputs(config)
+    assert str(err.value) == f"missing input: {missing.format(tmp_path.resolve())}"
+
+
+def test_a_task_set_that_is_neither_built_in_nor_a_file_is_named(tmp_path: Path) -> None:
+    config = load_config(None, {"explorer.taskset": "two_digit_adition"})
+    with pytest.raises(ConfigError) as err:
+        check_inputs(config)
+    assert "explorer.taskset: 'two_digit_adition' is neither a built-in task set" in str(err.value)
 
 
 def test_empty_file_means_defaults(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ LOOP_TIMEOUT_S = 420.0
 SETTINGS = {
     "trainer": {"total_steps": TOTAL_STEPS, "save_interval": 3, "sft_warmup_steps": 2},
     "explorer": {"tasks_per_step": 2, "eval_tasks": 8},
-    "dagster": {"sensor_interval_s": 1},
+    "dagster": {"sensor_interval_s": 5},
 }
 
 

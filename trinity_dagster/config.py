@@ -1,8 +1,9 @@
 """Typed run configuration, loaded from YAML, with Trinity-RFT's field names where one exists.
 
 Every section defaults to the embedded demo: a tiny Llama-style model trained on CPU with
-everything under one run root directory. Unknown keys, wrong types and impossible
-combinations raise `ConfigError`, whose message names the file and the key path.
+everything under one run root directory. Unknown keys, keys given twice, wrong types and
+impossible combinations raise `ConfigError`, whose message names the file and the key path;
+`check_inputs` refuses input files and directories that do not exist.
 """
 
 from __future__ import annotations
@@ -10,18 +11,28 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
+from trinity_dagster.explorer.tasks import TASKSETS
 from trinity_dagster.paths import local_path, uri_scheme
 
 DEFAULT_RUN_ROOT = "runs/demo"
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
+DAGSTER_SENSOR_LOOP_S = 5  # the sensor daemon's loop (dagster/_daemon/sensor.py)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -395,7 +406,10 @@ class DagsterConfig(_Section):
     builtin_explorer: bool = Field(
         default=True, description="The explorer sensor runs the built-in explorer loop."
     )
-    sensor_interval_s: int = Field(default=5, ge=1)
+    sensor_interval_s: int = Field(
+        default=DAGSTER_SENSOR_LOOP_S,
+        description=f"Seconds between sensor evaluations; at least {DAGSTER_SENSOR_LOOP_S}.",
+    )
     schedules_running: bool = False
     maintenance_cron: str = "0 * * * *"
     vacuum_retention_hours: int = Field(
@@ -409,6 +423,17 @@ class DagsterConfig(_Section):
         ),
     )
     eval_cron: str = "*/30 * * * *"
+
+    @field_validator("sensor_interval_s")
+    @classmethod
+    def _not_below_the_sensor_loop(cls, value: int) -> int:
+        if value < DAGSTER_SENSOR_LOOP_S:
+            raise ValueError(
+                f"must be at least {DAGSTER_SENSOR_LOOP_S}: Dagster's sensor daemon evaluates "
+                f"sensors at most every {DAGSTER_SENSOR_LOOP_S} s, so a shorter interval has "
+                "no effect"
+            )
+        return value
 
 
 MonitorBackend = Literal["tensorboard", "mlflow", "jsonl"]
@@ -660,6 +685,35 @@ def _resolve(path: str, base: Path) -> str:
     return str((resolved if resolved.is_absolute() else base / resolved).resolve())
 
 
+def check_inputs(config: TrinityConfig) -> None:
+    """Refuse a configuration whose inputs do not exist: `model.path` and the task files.
+
+    The one-line message names each missing input's key path and path. Built-in task sets
+    need no file; outputs (`run_root`, `buffer.tables_root`) are created when needed.
+    """
+    missing = list(_missing_inputs(config))
+    if missing:
+        raise ConfigError(f"missing input: {'; '.join(missing)}")
+
+
+def _missing_inputs(config: TrinityConfig) -> Iterator[str]:
+    """`key path: problem` of each input file or directory that is not there."""
+    model_path = config.model.path
+    if model_path is not None and not Path(model_path).is_dir():
+        yield f"model.path: no such directory: {model_path}"
+    for field in ("taskset", "eval_taskset"):
+        value = getattr(config.explorer, field)
+        if value in TASKSETS or Path(value).is_file():
+            continue
+        if value.endswith(".jsonl"):
+            yield f"explorer.{field}: no such task file: {value}"
+        else:
+            yield (
+                f"explorer.{field}: {value!r} is neither a built-in task set "
+                f"({', '.join(sorted(TASKSETS))}) nor an existing task file"
+            )
+
+
 def load_config(
     path: str | Path | None = None, overrides: dict[str, Any] | None = None
 ) -> TrinityConfig:
@@ -673,7 +727,9 @@ def load_config(
         if not file.is_file():
             raise ConfigError(f"configuration file not found: {file}")
         try:
-            loaded = yaml.safe_load(file.read_text())
+            loaded = yaml.load(file.read_text(), Loader=_UniqueKeyLoader)
+        except _DuplicateKeyError as err:
+            raise ConfigError(f"invalid configuration in {file}: {err}") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"invalid YAML in {file}: {err}") from None
         if loaded is None:
@@ -688,6 +744,41 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     return config_from_dict(data, source, base_dir)
+
+
+class _DuplicateKeyError(ValueError):
+    """A mapping of a YAML file gives one key twice; the message names its path and lines."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's SafeLoader, refusing a key given twice in one mapping (SafeLoader keeps the last)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(node, "", set())
+        return super().construct_document(node)
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
+    """Raise `_DuplicateKeyError` for the first key given twice in a mapping under `node`."""
+    if id(node) in seen:  # an alias: its anchor's node was checked already
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{index}]", seen)
+    elif isinstance(node, yaml.MappingNode):
+        first_line: dict[tuple[str, str], int] = {}
+        for key, value in node.value:
+            key_path = f"{path}.{key.value}" if path else str(key.value)
+            if isinstance(key, yaml.ScalarNode):
+                identity, line = (key.tag, key.value), key.start_mark.line + 1
+                if identity in first_line:
+                    raise _DuplicateKeyError(
+                        f"{key_path}: given twice, on lines {first_line[identity]} and {line} "
+                        "(YAML would silently keep only the last)"
+                    )
+                first_line[identity] = line
+            _refuse_duplicate_keys(value, key_path, seen)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
