@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +38,45 @@ def test_config_show_reports_bad_key_with_exit_2(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "trainer.sav_interval: unknown key" in out.stderr
     assert str(cfg_file) in out.stderr
+
+
+def test_config_show_refuses_a_key_given_twice_in_one_line(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("trainer:\n  total_steps: 9\ntrainer:\n  seed: 1\n")
+    out = run(str(BIN / "trinity-dagster"), "config", "show", "-c", str(cfg_file))
+    assert out.returncode == 2
+    assert out.stderr == (
+        f"trinity-dagster: invalid configuration in {cfg_file}: trainer: given twice, on lines "
+        "1 and 3 (YAML would silently keep only the last)\n"
+    )
+
+
+@pytest.mark.parametrize("command", [("config", "show"), ("run",)])
+def test_a_missing_task_file_fails_at_once_in_one_line(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("run_root: r\nexplorer:\n  taskset: tasks.jsonl\n")
+    out = run(str(BIN / "trinity-dagster"), *command, "-c", str(cfg_file))
+    assert out.returncode == 2
+    missing = (tmp_path / "tasks.jsonl").resolve()
+    assert (
+        out.stderr
+        == f"trinity-dagster: missing input: explorer.taskset: no such task file: {missing}\n"
+    )
+    assert not (tmp_path / "r").exists()  # nothing started
+
+
+@pytest.mark.parametrize("command", ["run", "demo"])
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_steps_below_one_are_refused(tmp_path: Path, command: str, steps: str) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"run_root: {tmp_path / 'r'}\n")
+    options = ["-c", str(cfg_file)] if command == "run" else ["--root", str(tmp_path / "r")]
+    out = run(str(BIN / "trinity-dagster"), command, *options, "--steps", steps)
+    assert out.returncode == 2
+    assert f"argument --steps: must be at least 1, got {steps}" in out.stderr
+    assert not (tmp_path / "r").exists()
 
 
 def test_run_without_a_workspace_fails_with_the_cause_and_no_traceback(tmp_path: Path) -> None:

@@ -1,20 +1,37 @@
-"""`trinity-dagster run` on an existing run root: what it keeps and what it lets go on."""
+"""`trinity-dagster run` on an existing run root: what it keeps and what it lets go on, and
+what it stops when it is stopped."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
+from tests.dagster_dev_helpers import REPO_ROOT, processes_with_env
+from tests.run_helpers import tiny_config
 from trinity_dagster.buffer.end_of_data import end_of_data, mark_end_of_data
 from trinity_dagster.commands.training_run import (
+    StoppedBySignal,
     TrainingRunError,
     accuracy_lines,
+    engine_processes,
     extend_finished_run,
     find_workspace,
     held_out_accuracy,
+    stop_run,
+    stop_signals_raise,
 )
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
+from trinity_dagster.service.state import CONFIG_FILE, read_state
 from trinity_dagster.trainer.run_state import read_trainer_state, write_trainer_state
 
 
@@ -82,3 +99,143 @@ def test_the_sft_models_weights_are_evaluated_while_they_are_on_disk(tmp_path: P
     (exported / "config.json").write_text("{}")
     assert versions_to_evaluate(config, paths, 10) == [0, 4, 10]
     assert versions_to_evaluate(config, paths, 4) == [0, 4]  # all warm-up: 4 is the final
+
+
+SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+DAEMON = (
+    "import subprocess, sys, time; "
+    "worker = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+    "print(worker.pid, flush=True); time.sleep(600)"
+)
+
+
+def started(command: list[str]) -> subprocess.Popen:
+    """`command` in a session of its own, as the daemon and the engine service start."""
+    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, text=True)
+
+
+def fake_engine(paths: RunPaths, module: str) -> subprocess.Popen:
+    """A process whose command line is that of the engine agent or a rank of `paths`'s run
+    root, before any state file exists (a service still starting)."""
+    config_file = str(paths.service / CONFIG_FILE)
+    script = "import time; time.sleep(600)"
+    return started([sys.executable, "-c", script, "-m", module, "-c", config_file])
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie counts as exited)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stopping_a_run_ends_the_daemon_its_workers_and_an_engine_still_starting(
+    tmp_path: Path,
+) -> None:
+    paths = RunPaths.of(tmp_path / "run")
+    other = RunPaths.of(tmp_path / "other")
+    daemon = started([sys.executable, "-c", DAEMON, SLEEPER])  # its worker ignores SIGTERM
+    assert daemon.stdout is not None
+    worker = int(daemon.stdout.readline())
+    engine = [fake_engine(paths, AGENT_MODULE), fake_engine(paths, RANK_MODULE)]
+    unrelated = fake_engine(other, AGENT_MODULE)
+    try:
+        deadline = time.monotonic() + 30
+        while len(engine_processes(paths)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sorted(p.pid for p in engine_processes(paths)) == sorted(p.pid for p in engine)
+        assert read_state(paths) is None  # still starting: no state file names it
+
+        stop_run(daemon, paths)
+
+        assert daemon.returncode is not None and gone(worker)
+        for process in engine:
+            process.wait(timeout=10)
+        assert unrelated.poll() is None  # another run root's engine is left alone
+    finally:
+        for process in (daemon, *engine, unrelated):
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_raises_once_and_the_old_handlers_come_back(sig: signal.Signals) -> None:
+    before = signal.getsignal(sig)
+    with stop_signals_raise():
+        with pytest.raises(StoppedBySignal) as err:
+            os.kill(os.getpid(), sig)
+            time.sleep(5)  # the handler raises here
+        os.kill(os.getpid(), sig)  # a second one, while the command cleans up: ignored
+    assert err.value.exit_code == 128 + sig
+    assert str(err.value) == f"stopped by {sig.name}: daemon, runs and engine stopped"
+    assert signal.getsignal(sig) == before
+
+
+def wait_until(what: str, ready: Callable[[], bool], timeout_s: float) -> None:
+    """Poll `ready` until it is true; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+class StoppedRun:
+    """`trinity-dagster run` of a tiny config in a subprocess, to be stopped by a signal."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        config, config_file = tiny_config(tmp_path)
+        self.paths = RunPaths.of_config(config)
+        command = [str(Path(sys.executable).parent / "trinity-dagster"), "run", "-c"]
+        self.process = subprocess.Popen(
+            [*command, str(config_file)],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def started(self) -> list[int]:
+        """Pids of what the command started (they all have the run's DAGSTER_HOME)."""
+        return processes_with_env("DAGSTER_HOME", str(self.paths.dagster_home))
+
+    def stop(self, sig: signal.Signals) -> str:
+        """Send `sig`; the command's stderr once it exited, with the status it should have."""
+        self.process.send_signal(sig)
+        _, stderr = self.process.communicate(timeout=300)
+        assert self.process.returncode == 128 + sig, stderr
+        return stderr
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL the command and whatever it left running (after a failed check)."""
+        self.process.kill()
+        self.process.communicate()
+        for pid in self.started():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_the_daemon_and_prints_one_line(tmp_path: Path) -> None:
+    run = StoppedRun(tmp_path)
+    try:
+        wait_until("dagster-daemon", lambda: bool(run.started()), timeout_s=120)
+        stderr = run.stop(signal.SIGINT)
+        assert stderr == "trinity-dagster: stopped by SIGINT: daemon, runs and engine stopped\n"
+        assert run.started() == []
+    finally:
+        run.kill_leftovers()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_runs_and_an_engine_still_starting(tmp_path: Path) -> None:
+    run = StoppedRun(tmp_path)
+    try:
+        wait_until("the engine service", lambda: bool(engine_processes(run.paths)), 300)
+        assert read_state(run.paths) is None  # still starting
+        stderr = run.stop(signal.SIGTERM)
+        assert stderr == "trinity-dagster: stopped by SIGTERM: daemon, runs and engine stopped\n"
+        assert run.started() == []
+        time.sleep(5)  # nothing comes up late
+        assert run.started() == [] and engine_processes(run.paths) == []
+    finally:
+        run.kill_leftovers()

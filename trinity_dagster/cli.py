@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from trinity_dagster.commands.training_run import TrainingRunError
+from trinity_dagster.commands.training_run import StoppedBySignal, TrainingRunError
 from trinity_dagster.config import ConfigError
 
 # subcommand -> (module, one-line help)
@@ -27,6 +27,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "start, inspect, stop or join the engine service; print launch recipes",
     ),
 }
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainingRunError as err:  # the message names the cause; a traceback adds nothing
         print(f"trinity-dagster: {err}", file=sys.stderr)
         return 1
+    except StoppedBySignal as err:  # what the command started is stopped by now
+        print(f"trinity-dagster: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ then GRPO on its own rollouts, all through the Dagster graph, with every artefac
 
 import argparse
 
+from trinity_dagster.cli import positive_int
 from trinity_dagster.config import DEFAULT_RUN_ROOT, load_config
 
 
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workspace", help="the Dagster workspace.yaml (default: ./workspace.yaml, the repo's)"
     )
-    parser.add_argument("--steps", type=int, help="train steps (default: the demo's)")
+    parser.add_argument("--steps", type=positive_int, help="train steps (default: the demo's)")
     parser.add_argument("--seed", type=int, help="trainer and explorer seed")
 
 
@@ -24,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     from trinity_dagster.commands.training_run import run_training
 
     overrides: dict[str, object] = {"run_root": args.root}
-    if args.steps:
+    if args.steps is not None:
         overrides["trainer.total_steps"] = args.steps
     if args.seed is not None:
         overrides["trainer.seed"] = args.seed

@@ -2,6 +2,7 @@
 
 import argparse
 
+from trinity_dagster.cli import positive_int
 from trinity_dagster.config import load_config
 
 
@@ -12,7 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workspace", help="the Dagster workspace.yaml (default: ./workspace.yaml, the repo's)"
     )
-    parser.add_argument("--steps", type=int, help="train steps (overrides trainer.total_steps)")
+    parser.add_argument(
+        "--steps", type=positive_int, help="train steps (overrides trainer.total_steps)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -22,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     overrides = {}
     if args.root:
         overrides["run_root"] = args.root
-    if args.steps:
+    if args.steps is not None:
         overrides["trainer.total_steps"] = args.steps
     config = load_config(args.config, overrides=overrides)
     run_training(config, args.workspace)

@@ -6,7 +6,8 @@ workspace, and watches the instance: the daemon's sensors start the trainer and 
 loops and the evaluations, exactly as under `dagster dev`. It prints one line per recorded
 explore and train step, fails with the cause when a run fails for good, and ends when the
 trainer finished and the final weights are evaluated. `dagster dev` on the same instance
-shows the whole history afterwards.
+shows the whole history afterwards. SIGINT or SIGTERM stops the daemon, its run workers and
+the run root's engine service (also one still starting) before the command exits.
 """
 
 from __future__ import annotations
@@ -18,26 +19,71 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from statistics import fmean
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
-from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig
+from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.steps import step_key
 from trinity_dagster.trainer.run_state import read_trainer_state, state_path
+
+if TYPE_CHECKING:
+    import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
 LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
 FAILED_TICKS = 3
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class TrainingRunError(RuntimeError):
     """A run of the graph failed for good, or the daemon stopped; the message says which."""
+
+
+class StoppedBySignal(Exception):
+    """SIGINT or SIGTERM stopped the command; what it started is stopped once this reaches
+    the caller."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}: daemon, runs and engine stopped"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """The status of a process that the signal ended (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+def ignore_stop_signals() -> None:
+    """From here on SIGINT and SIGTERM do nothing (so that they cannot cut a cleanup short)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    """The handler of SIGINT and SIGTERM within `stop_signals_raise`."""
+    ignore_stop_signals()
+    raise StoppedBySignal(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within: the first SIGINT or SIGTERM raises `StoppedBySignal`, later ones are ignored;
+    the handlers from before come back at the end."""
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def metadata_values(event: Any) -> dict[str, Any]:
@@ -120,6 +166,34 @@ def stop_daemon(daemon: subprocess.Popen, timeout_s: float = 60.0) -> None:
             daemon.wait()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(daemon.pid, signal.SIGKILL)  # run workers left in the session
+
+
+def engine_processes(paths: RunPaths) -> list[psutil.Process]:
+    """The engine service agents and ranks on this machine started for this run root, found
+    by the config file on their command line (one still starting has no state file yet)."""
+    import psutil
+
+    from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
+    from trinity_dagster.service.state import CONFIG_FILE
+
+    config_file = str(paths.service / CONFIG_FILE)
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if config_file in cmdline and not {AGENT_MODULE, RANK_MODULE}.isdisjoint(cmdline):
+            found.append(process)
+    return found
+
+
+def stop_run(daemon: subprocess.Popen, paths: RunPaths) -> None:
+    """Stop what a training run started: the daemon with its run workers, then the run
+    root's engine service, cleanly if it answers, and any of its processes left here."""
+    from trinity_dagster.service.launcher import STOP_GRACE_S, stop_service
+    from trinity_dagster.service.processes import end_processes
+
+    stop_daemon(daemon)
+    stop_service(paths)
+    end_processes(engine_processes(paths), grace_s=STOP_GRACE_S)
 
 
 class Progress:
@@ -266,8 +340,18 @@ class Progress:
 
 
 def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> dict[str, Any]:
-    """Train to the end through the Dagster daemon; write and return `summary.json`."""
+    """Train to the end through the Dagster daemon; write and return `summary.json`.
+
+    Raises `StoppedBySignal` on SIGINT or SIGTERM, once everything started is stopped.
+    """
+    check_inputs(config)
     workspace_file = find_workspace(workspace)
+    with stop_signals_raise():
+        return _train(config, workspace_file)
+
+
+def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
+    """`run_training` on a found workspace."""
     config_file = prepare_instance(config)
     if extend_finished_run(RunPaths.of_config(config), config.trainer.total_steps):
         print("trinity-dagster: extending a run that had stopped early", flush=True)
@@ -275,7 +359,6 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
 
     from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
     from trinity_dagster.checkpoint.rules import sft_model_step
-    from trinity_dagster.service.launcher import stop_service
 
     paths = RunPaths.of_config(config)
     total = config.trainer.total_steps
@@ -289,8 +372,8 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     try:
         final_version, scored = _watch(progress, daemon, paths)
     finally:
-        stop_daemon(daemon)
-        stop_service(paths)
+        ignore_stop_signals()
+        stop_run(daemon, paths)
     state = read_trainer_state(paths)
     assert state is not None
     evaluations = {"start": scored[0], "end": scored[final_version]}
