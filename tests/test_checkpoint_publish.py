@@ -4,6 +4,7 @@ switch of versions (a crash mid-write changes nothing visible), sync from a chec
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from trinity_dagster.checkpoint.publish import (
     publish_weights,
     record_sync_from_checkpoint,
 )
+from trinity_dagster.checkpoint.weights_holds import held_versions, hold_weights
 from trinity_dagster.paths import RunPaths
 
 
@@ -172,3 +174,27 @@ def test_prune_published_keeps_the_last_k_the_current_and_version_zero(tmp_path:
     assert weights_dir(paths, latest_weights_version(paths)) == published_weights_dir(paths, 5)
     with pytest.raises(ValueError, match="keep_synced_weights must be >= 1"):
         prune_published(paths, keep=0)
+
+
+def test_a_held_version_is_not_pruned_until_its_reader_lets_go(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    tensors = {"w": torch.arange(4.0)}
+    for version in (0, 1, 2, 3):
+        publish_weights(paths, version, tensors, {}, None)
+    with hold_weights(paths, 1):
+        assert held_versions(paths) == {1}
+        deleted = prune_published(paths, keep=1)
+        assert deleted == [published_weights_dir(paths, 2)]
+        assert weights_dir(paths, 1) == published_weights_dir(paths, 1)  # still readable
+    assert held_versions(paths) == set()
+    assert prune_published(paths, keep=1) == [published_weights_dir(paths, 1)]
+
+
+def test_a_hold_of_a_dead_reader_does_not_count(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    holds = paths.weights / "holds"
+    holds.mkdir(parents=True)
+    dead = {"version": 2, "pid": 2**22 + 12345, "host": socket.gethostname()}
+    (holds / "2-dead.json").write_text(json.dumps(dead))
+    assert held_versions(paths) == set()
+    assert not (holds / "2-dead.json").exists(), "a dead reader's hold is removed"

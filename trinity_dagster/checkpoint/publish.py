@@ -24,8 +24,10 @@ from trinity_dagster.checkpoint.layout import (
     scan_step_dirs,
     scratch_dir,
     set_latest_weights_version,
+    weights_dir,
 )
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.checkpoint.weights_holds import held_versions
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
 
@@ -96,12 +98,25 @@ def checkpoint_sync_dir(paths: RunPaths, step: int) -> Path:
     return ckpt / HF_SUBDIR
 
 
+def published_info(paths: RunPaths, version: int) -> dict[str, Any] | None:
+    """Version, directory and size of weights `version` if they are published, else None."""
+    if version > (latest_weights_version(paths) or 0):
+        return None
+    try:
+        directory = weights_dir(paths, version)
+    except FileNotFoundError:
+        return None
+    size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    return {"version": version, "path": str(directory), "size_bytes": size}
+
+
 def prune_published(paths: RunPaths, keep: int) -> list[Path]:
     """Delete superseded sync-only weight directories; return what was deleted.
 
     Keeps the newest `keep` versions up to the marker, the version the marker names, every
-    version newer than the marker, and version 0 (the initial weights). Removes temp and trash
-    directories of versions older than the marker.
+    version newer than the marker, version 0 (the initial weights) and every version a
+    reader holds (`weights_holds`). Removes temp and trash directories of versions older than
+    the marker.
     """
     if keep < 1:
         raise ValueError(f"keep_synced_weights must be >= 1, got {keep}")
@@ -111,9 +126,12 @@ def prune_published(paths: RunPaths, keep: int) -> list[Path]:
     dirs = scan_step_dirs(paths.weights)
     finals = [d for d in dirs if d.kind == "final" and d.step <= current]
     kept = {d.path for d in finals[-keep:]}
+    held = held_versions(paths)
     deleted: list[Path] = []
     for entry in dirs:
         if entry.step == 0 or entry.step >= current or entry.path in kept:
+            continue
+        if entry.kind == "final" and entry.step in held:
             continue
         if entry.kind == "final":
             discard_dir(entry.path, entry.step)

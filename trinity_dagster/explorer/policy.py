@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trinity_dagster.checkpoint.layout import latest_weights_version, weights_dir
+from trinity_dagster.checkpoint.weights_holds import hold_weights
 from trinity_dagster.paths import RunPaths
 
 
@@ -28,8 +29,24 @@ def resolve_version(paths: RunPaths, version: int | None) -> int:
 
 
 def load_policy(paths: RunPaths, version: int) -> PreTrainedModel:
-    """The model of weights `version` in fp32 on the CPU, in eval mode."""
-    return load_policy_dir(weights_dir(paths, version))
+    """The model of weights `version` in fp32 on the CPU, in eval mode.
+
+    The version is held against pruning while it loads. A version pruned just before the
+    hold took effect is read from a kept checkpoint's export if there is one.
+    """
+    with hold_weights(paths, version):
+        try:
+            return load_policy_dir(weights_dir(paths, version))
+        except FileNotFoundError:  # pruned between the look-up and the hold: look again
+            try:
+                directory = weights_dir(paths, version)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(
+                    f"weights version {version} are no longer on disk: pruned "
+                    "(synchronizer.keep_synced_weights) and no kept checkpoint of that step "
+                    f"has an HF export ({err})"
+                ) from None
+            return load_policy_dir(directory)
 
 
 def load_policy_dir(directory: Path) -> PreTrainedModel:
