@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from assets.control import pause_training, resume_training, stop_training
 from assets.experiences import experience_schema, experiences
 from assets.explore import evaluate_newest_checkpoint, evaluation, rollouts
 from assets.jobs import evaluation_job, rollouts_job, save_job, train_job
@@ -12,6 +13,7 @@ from assets.maintenance import (
     delta_maintenance_schedule,
 )
 from assets.sensors import rft_loop_sensor
+from assets.sync import publish
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
@@ -20,7 +22,7 @@ from resources.run_config import RunConfigResource, config_path_from_env
 run_config = RunConfigResource(config_path=config_path_from_env())
 
 defs = dg.Definitions(
-    assets=[experiences, rollouts, train, save, evaluation],
+    assets=[experiences, rollouts, train, publish, save, evaluation],
     asset_checks=[experience_schema],
     jobs=[
         rollouts_job,
@@ -29,6 +31,9 @@ defs = dg.Definitions(
         save_job,
         delta_maintenance_job,
         checkpoint_retention_job,
+        pause_training,
+        resume_training,
+        stop_training,
     ],
     sensors=[rft_loop_sensor],
     schedules=[

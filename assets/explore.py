@@ -5,7 +5,10 @@ A run of `rollouts` over explore steps a..b runs the built-in explorer loop
 experiences, appends them to the `experiences` table and logs `rollouts[E]` with the weights
 version, so lineage shows which weights produced which experiences. During the SFT warm-up
 (`trainer.sft_warmup_steps`) it writes demonstrations. A retried run skips recorded steps.
-`evaluation[N]` scores weights version N on the held-out task set with greedy decoding.
+`evaluation[V]` scores weights version V on the held-out task set with greedy decoding, beside
+training (it takes no pool slot); its partitions are weights versions, so version 0 (the
+initial model) adds no untrainable step partition. The version is held against pruning while
+it loads; a failure names its cause in the run's page.
 The explorer (torch, transformers) is imported inside the assets, never at load time.
 """
 
@@ -14,7 +17,7 @@ from collections.abc import Iterator
 import dagster as dg
 
 from assets.jobs import evaluation_job
-from assets.partitions import step_key, step_of, step_partitions
+from assets.partitions import step_key, step_of, step_partitions, weights_partitions
 from assets.steps import run_steps, step_materialization
 from resources.run_config import RunConfigResource, load_run_config
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
@@ -60,8 +63,8 @@ def rollouts(
 
 @dg.asset(
     name=EVALUATION,
-    partitions_def=step_partitions,
-    deps=["synced_weights"],
+    partitions_def=weights_partitions,
+    deps=[dg.AssetDep("synced_weights", partition_mapping=dg.IdentityPartitionMapping())],
     group_name="evaluation",
     kinds={"transformers"},
     description="Held-out accuracy of weights version N (greedy decoding).",
@@ -73,7 +76,12 @@ def evaluation(
     from trinity_dagster.explorer.evaluation import evaluate
 
     version = step_of(context.partition_key)
-    metrics = evaluate(run_config.config, run_config.paths, version)
+    try:
+        metrics = evaluate(run_config.config, run_config.paths, version)
+    except Exception as err:
+        raise dg.Failure(
+            f"evaluation of weights version {version} failed: {type(err).__name__}: {err}"
+        ) from err
     return dg.MaterializeResult(metadata={**metrics, "weights_version": version})
 
 
@@ -95,4 +103,5 @@ def evaluate_newest_checkpoint(
     if step is None:
         return dg.SkipReason("no complete checkpoint yet")
     key = step_key(step)
+    context.instance.add_dynamic_partitions(weights_partitions.name, [key])
     return dg.RunRequest(run_key=f"eval-{key}", partition_key=key)

@@ -5,7 +5,7 @@ import dagster as dg
 
 train_job = dg.define_asset_job(
     "train_job",
-    selection=["experience_batch", "train_step", "synced_weights"],
+    selection=["experience_batch", "train_step"],
     executor_def=dg.in_process_executor,
     description="The trainer loop over a range of steps: pin, train, sync and save as due.",
 )

@@ -3,13 +3,15 @@
 `rft_loop_sensor` is one sensor, so the daemon pays its per-evaluation cost (a code-server
 call, an instance, tick records) once per interval, not once per job: with four sensors that
 cost took about an eighth of a core, beside a loop that keeps both cores busy. Its parts:
-- `trainer_request`: while training is not finished, keeps one long-lived `train_job` run
-  over steps next..total_steps (the trainer loop, waiting for data itself);
+- `trainer_request`: while training is neither finished nor paused (`pause_training`),
+  keeps one long-lived `train_job` run over steps next..total_steps (the trainer loop,
+  waiting for data itself);
 - `explorer_request` (`dagster.builtin_explorer`): likewise one `rollouts_job` run of the
   built-in explorer loop;
 - `checkpoint_records`: records `checkpoint[N]` and `hf_model[N]` once a background save's
   manifest lands (and `synced_weights[N]`, when the manifest says the export serves as the
-  sync, once the weights marker names N), without a run, holding no pool slot;
+  sync, once the weights marker names N), without a run, holding no pool slot; a checkpoint
+  that a user's run asked for ("save now") is left to that run while it is alive;
 - `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
   warm-up's last (checkpointed) and the final weights.
 A run killed with its worker is retried by Dagster's run retries (see
@@ -24,7 +26,8 @@ from collections.abc import Sequence
 import dagster as dg
 import psutil
 
-from assets.explore import EVALUATION, ROLLOUTS
+from assets.control import run_of_request
+from assets.explore import EVALUATION, ROLLOUTS, weights_partitions
 from assets.jobs import evaluation_job, rollouts_job, train_job
 from assets.partitions import step_key, step_of, step_partitions
 from assets.training import SYNCED, TRAIN
@@ -41,6 +44,7 @@ from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_c
 from trinity_dagster.checkpoint.rules import explore_steps_needed
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
+from trinity_dagster.trainer import control
 from trinity_dagster.trainer.run_state import TrainerState, read_trainer_state
 
 _config = load_run_config()
@@ -170,6 +174,9 @@ def trainer_request(
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}: {finished.reason}")
+    paused = control.paused_by(run_config.paths)
+    if paused is not None:
+        return dg.SkipReason(f"training is paused (by run {paused}); launch resume_training")
     total = run_config.config.trainer.total_steps
     first = newest_step(instance, TRAIN) + 1
     state = read_trainer_state(run_config.paths)
@@ -217,10 +224,11 @@ def checkpoint_records(
     }
     known = set(instance.get_dynamic_partitions(step_partitions.name))
     published = latest_weights_version(paths) or 0
+    asked = asked_by_live_runs(instance, run_config)
     events: list[dg.AssetMaterialization] = []
     for entry in scan_step_dirs(paths.checkpoints):
         key = step_key(entry.step)
-        if entry.kind != "final" or key not in known:
+        if entry.kind != "final" or key not in known or entry.step in asked:
             continue
         if key in recorded[CHECKPOINT] and (
             key in recorded[SYNCED] or not (entry.path / HF_SUBDIR / "config.json").is_file()
@@ -234,6 +242,17 @@ def checkpoint_records(
     if not events:
         return dg.SkipReason("no new complete checkpoint")
     return dg.SensorResult(asset_events=events)
+
+
+def asked_by_live_runs(instance: dg.DagsterInstance, run_config: RunConfigResource) -> set[int]:
+    """Steps whose checkpoint a run that is still going asked for: that run records them."""
+    asked = set()
+    for step, request_ids in control.open_save_steps(run_config.paths).items():
+        for request_id in request_ids:
+            run = instance.get_run_by_id(run_of_request(request_id))
+            if run is not None and run.status in BUSY:
+                asked.add(step)
+    return asked
 
 
 def checkpoint_events(
@@ -300,7 +319,7 @@ def evaluation_requests(
             dg.RunRequest(run_key=f"eval-{key}", job_name=evaluation_job.name, partition_key=key)
             for key in wanted
         ],
-        dynamic_partitions_requests=[step_partitions.build_add_request(wanted)],
+        dynamic_partitions_requests=[weights_partitions.build_add_request(wanted)],
     )
 
 
@@ -320,14 +339,14 @@ def rft_loop_sensor(
     """Every part's runs and runless events in one evaluation, or each part's skip reason.
 
     Dagster refuses a result that adds a partition twice, so the parts' partition requests
-    become one.
+    become one per partitions definition.
     """
     parts = [trainer_request, checkpoint_records, evaluation_requests]
     if run_config.config.dagster.builtin_explorer:
         parts.insert(1, explorer_request)
     run_requests: list[dg.RunRequest] = []
     events: list[dg.AssetMaterialization] = []
-    keys: dict[str, None] = {}  # step partitions to add, in order, each once
+    keys: dict[str, dict[str, None]] = {}  # partitions to add, by definition, each once
     skipped: list[str] = []
     for part in parts:
         result = part(context.instance, run_config)
@@ -337,11 +356,14 @@ def rft_loop_sensor(
         run_requests += result.run_requests or []
         events += result.asset_events or []
         for request in result.dynamic_partitions_requests or []:
-            keys.update(dict.fromkeys(request.partition_keys or []))
+            added = keys.setdefault(request.partitions_def_name, {})
+            added.update(dict.fromkeys(request.partition_keys or []))
     if not run_requests and not events:
         return dg.SkipReason("; ".join(skipped))
     return dg.SensorResult(
         run_requests=run_requests,
         asset_events=events,
-        dynamic_partitions_requests=[step_partitions.build_add_request(list(keys))] if keys else [],
+        dynamic_partitions_requests=[
+            dg.AddDynamicPartitionsRequest(name, list(added)) for name, added in keys.items()
+        ],
     )

@@ -1,12 +1,13 @@
-"""`experience_batch`, `train_step` and `synced_weights`: the trainer loop as one multi-asset.
+"""`experience_batch` and `train_step`: the trainer loop as one multi-asset.
 
 A run of `train` over steps a..b executes `Trainer.train` (trinity_dagster.trainer) up to b:
 it waits for each step's data, trains it, syncs and saves as due, and logs
-`experience_batch[N]`, `train_step[N]` (every metric) and `synced_weights[N]` as each step
-finishes, so a long-lived run over 1..total_steps shows progress step by step and a failure
-at step k leaves a..k-1 recorded. Background checkpoints are recorded by `rft_loop_sensor`
-when their manifests land. Selected alone, `experience_batch` pins and `synced_weights`
-publishes the weights of steps the engine is at.
+`experience_batch[N]`, `train_step[N]` (every metric), the step's health checks and
+`synced_weights[N]` (when the loop published weights) as each step finishes, whatever
+subset of them the run selected, so a long-lived run over 1..total_steps shows progress
+and check results step by step, a backfill leaves no hole in the lineage, and a failure at
+step k leaves a..k-1 recorded. Background checkpoints are recorded by `rft_loop_sensor` when
+their manifests land. Selected alone, `experience_batch` pins the steps' batches.
 
 A retried run (after its worker was killed) first records the steps the engine trained
 without them being logged, then goes on from the engine's step: nothing trains twice.
@@ -72,35 +73,25 @@ def train_metadata(record: dict[str, Any], metrics: dict[str, Any], **flags: Any
 
 
 class DagsterTrainerHook(TrainerHook):
-    """Logs the loop's steps as materialisations of the selected assets."""
+    """Logs each step the loop finished: its batch, its training and checks, its sync."""
 
-    def __init__(
-        self,
-        context: dg.AssetExecutionContext,
-        run_config: RunConfigResource,
-        selected: set[str],
-    ) -> None:
+    def __init__(self, context: dg.AssetExecutionContext, run_config: RunConfigResource) -> None:
         self.context = context
         self.run_config = run_config
-        self.selected = selected
         self.synced: set[int] = set()
-        self.failures: dict[str, list[str]] = {name: [] for name in CHECKS}
         self.recorded = context.instance.get_materialized_partitions(dg.AssetKey(TRAIN))
 
     def on_batch(self, step: int, batch: PinResult) -> None:
-        if BATCH in self.selected:
-            metadata = batch_metadata(self.run_config, step, batch)
-            self.context.log_event(step_materialization(BATCH, step, metadata))
+        metadata = batch_metadata(self.run_config, step, batch)
+        self.context.log_event(step_materialization(BATCH, step, metadata))
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
-        self.check(step, record["metrics"])
-        if TRAIN not in self.selected:
-            return
         if record.get("already_trained") and step_key(step) in self.recorded:
             return  # logged by the run that trained it
         metadata = train_metadata(
             record,
             metrics,
+            **self.check(step, record["metrics"]),
             weights_version=latest_weights_version(self.run_config.paths) or 0,
             synced=step in self.synced,
             saved="time/save_checkpoint" in metrics,
@@ -109,28 +100,31 @@ class DagsterTrainerHook(TrainerHook):
 
     def on_sync(self, step: int, info: dict[str, Any]) -> None:
         self.synced.add(step)
-        if SYNCED in self.selected:
-            self.context.log_event(step_materialization(SYNCED, step, sync_metadata(info)))
+        self.context.log_event(step_materialization(SYNCED, step, sync_metadata(info)))
 
-    def check(self, step: int, metrics: dict[str, Any]) -> None:
-        """Add step N's health-check failures."""
+    def check(self, step: int, metrics: dict[str, Any]) -> dict[str, str]:
+        """Log step N's results of the blocking health checks, as step N's partition; returns
+        them as `check/<name>` metadata, which the step's partition page shows."""
         kl_bound = self.run_config.config.algorithm.kl_bound
-        for name, (ok, reason) in {
+        results = {
             "loss_is_finite": loss_is_finite(metrics),
             "kl_within_bound": kl_within_bound(metrics, kl_bound),
-        }.items():
-            if not ok:
-                self.failures[name].append(f"step {step}: {reason}")
-
-    def check_results(self) -> Iterator[dg.AssetCheckResult]:
-        """The blocking checks over every step of the run."""
-        for name, problems in self.failures.items():
-            yield dg.AssetCheckResult(
-                asset_key=TRAIN,
-                check_name=name,
-                passed=not problems,
-                metadata={"problems": "; ".join(problems) or "none"},
+        }
+        for name, (ok, reason) in results.items():
+            self.context.log_event(
+                dg.AssetCheckEvaluation(
+                    asset_key=dg.AssetKey(TRAIN),
+                    check_name=name,
+                    passed=ok,
+                    metadata={"reason": reason},
+                    blocking=True,
+                    partition=step_key(step),
+                )
             )
+        return {
+            f"check/{name}": "passed" if ok else f"failed: {reason}"
+            for name, (ok, reason) in results.items()
+        }
 
     def record_unlogged(self, steps: list[int]) -> None:
         """Log steps of the run that the engine trained but no run recorded (a killed run)."""
@@ -138,9 +132,9 @@ class DagsterTrainerHook(TrainerHook):
             record = read_record(self.run_config.paths, step)
             if record is None:
                 return
-            self.check(step, record["metrics"])
-            if TRAIN in self.selected and step_key(step) not in self.recorded:
-                metadata = train_metadata(record, record["metrics"], recovered=True)
+            if step_key(step) not in self.recorded:
+                checks = self.check(step, record["metrics"])
+                metadata = train_metadata(record, record["metrics"], **checks, recovered=True)
                 self.context.log_event(step_materialization(TRAIN, step, metadata))
                 self.recorded.add(step_key(step))
 
@@ -175,17 +169,11 @@ def sync_metadata(info: dict[str, Any]) -> dict[str, Any]:
             kinds={"pytorch"},
             description="The engine trained step N on its pinned batch; metadata: every metric.",
         ),
-        dg.AssetSpec(
-            SYNCED,
-            deps=[TRAIN],
-            skippable=True,
-            partitions_def=step_partitions,
-            group_name="checkpoints",
-            kinds={"safetensors"},
-            description="Weights of step N published to explorers (HF format, by version).",
-        ),
     ],
-    check_specs=[dg.AssetCheckSpec(name, asset=TRAIN, blocking=True) for name in CHECKS],
+    check_specs=[
+        dg.AssetCheckSpec(name, asset=TRAIN, blocking=True, partitions_def=step_partitions)
+        for name in CHECKS
+    ],
     can_subset=True,
     backfill_policy=dg.BackfillPolicy.single_run(),
     pool=ENGINE_POOL,
@@ -193,35 +181,30 @@ def sync_metadata(info: dict[str, Any]) -> dict[str, Any]:
 def train(
     context: dg.AssetExecutionContext, run_config: RunConfigResource, engine: EngineResource
 ) -> Iterator[dg.AssetCheckResult]:
-    """Run the trainer loop over the run's steps (or pin / publish them alone)."""
+    """Run the trainer loop over the run's steps (or pin their batches alone)."""
     selected = {key.to_user_string() for key in context.selected_asset_keys}
     steps = run_steps(context)
     if TRAIN in selected:
-        yield from run_trainer(context, run_config, engine, selected, steps)
-        return
-    wrapper = engine.wrapper()
-    for step in steps:
-        if BATCH in selected:
+        run_trainer(context, run_config, engine, steps)
+    else:
+        for step in steps:
             pinned = pin_batch(run_config.config, step)
             if isinstance(pinned, PinShortfall):
                 raise dg.Failure(f"not enough experiences for step {step}: {pinned.message}")
             metadata = batch_metadata(run_config, step, pinned)
             context.log_event(step_materialization(BATCH, step, metadata))
-        if SYNCED in selected:
-            info = wrapper.publish(step)
-            context.log_event(step_materialization(SYNCED, step, sync_metadata(info)))
+    yield from ()  # each step and its checks were logged as the step finished
 
 
 def run_trainer(
     context: dg.AssetExecutionContext,
     run_config: RunConfigResource,
     engine: EngineResource,
-    selected: set[str],
     steps: list[int],
-) -> Iterator[dg.AssetCheckResult]:
-    """`Trainer.train` up to the run's last step; check results after, failed or not."""
+) -> None:
+    """`Trainer.train` up to the run's last step."""
     first, last = steps[0], steps[-1]
-    hook = DagsterTrainerHook(context, run_config, selected)
+    hook = DagsterTrainerHook(context, run_config)
     trainer = Trainer(run_config.config, engine.wrapper(), hook)
     try:
         asyncio.run(trainer.prepare())
@@ -234,9 +217,7 @@ def run_trainer(
         hook.record_unlogged(list(range(first, min(at, last) + 1)))
         reason = asyncio.run(trainer.train(last_step=last))
     except SyncWithheldError as err:
-        yield from hook.check_results()
         raise dg.Failure(str(err), metadata={"step": err.step}) from err
     finally:
         asyncio.run(trainer.shutdown())
     context.log.info(f"trainer loop stopped: {reason}")
-    yield from hook.check_results()

@@ -1,9 +1,14 @@
 """`checkpoint` and `hf_model`: full checkpoints of a step and their Hugging Face exports.
 
 The trainer loop saves checkpoints as due (in the background) and `rft_loop_sensor`
-records each one when its manifest lands. Materialising `checkpoint[N]` from the UI waits
-for (or records) step N's checkpoint, or has the engine write it if the engine is still at
-step N; `hf_model[N]` exports a checkpoint without one with `trinity-dagster convert`.
+records each one when its manifest lands. Materialising `checkpoint[N]` from the UI is "save
+now": a complete checkpoint of step N is recorded at once; otherwise the running trainer loop
+saves step N in the background when it is at N (at its next step boundary, or at once while
+it waits for data; a later N waits until the loop gets there) and this run records it when its
+manifest lands. A step the engine is past fails at once, naming what can still be saved. With
+no trainer loop alive the run has the engine save the step itself. `hf_model[N]` of a kept
+checkpoint without an export runs `trinity-dagster convert`, beside training. The op takes
+no `engine` pool slot, so it never waits for the end of training.
 """
 
 import subprocess
@@ -14,13 +19,15 @@ from typing import Any
 
 import dagster as dg
 
+from assets.control import ask_trainer, request_id
 from assets.partitions import step_partitions
 from assets.steps import run_steps, step_materialization
-from assets.training import ENGINE_POOL, TRAIN
+from assets.training import TRAIN
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
+from trinity_dagster.trainer import control
 
 CHECKPOINT = "checkpoint"
 HF_MODEL = "hf_model"
@@ -69,7 +76,6 @@ def hf_metadata(hf_dir: Path) -> dict[str, Any]:
     check_specs=[dg.AssetCheckSpec("checkpoint_complete", asset=CHECKPOINT)],
     can_subset=True,
     backfill_policy=dg.BackfillPolicy.single_run(),
-    pool=ENGINE_POOL,
 )
 def save(
     context: dg.AssetExecutionContext, run_config: RunConfigResource, engine: EngineResource
@@ -80,8 +86,14 @@ def save(
     for step in run_steps(context):
         ckpt = checkpoint_dir(run_config.paths, step)
         if CHECKPOINT in selected:
-            info = engine.wrapper().wait_for_checkpoint(step, hf=HF_MODEL in selected)
+            hf = HF_MODEL in selected
+            try:
+                verify_checkpoint(ckpt, checksums=False)
+            except CorruptCheckpointError:  # not saved yet: "save now"
+                ask_trainer(context, run_config, "save", step=step, hf=hf)
+            info = engine.wrapper().wait_for_checkpoint(step, hf=hf)
             yield step_materialization(CHECKPOINT, step, checkpoint_metadata(info))
+            control.forget(run_config.paths, request_id(context, "save", step))
             try:
                 verify_checkpoint(ckpt)
             except CorruptCheckpointError as err:

@@ -178,8 +178,11 @@ def expect_type(result: dict[str, Any], typename: str, what: str) -> dict[str, A
     return result
 
 
-def chromium(url: str, *, screenshot: Path | None = None, budget_ms: int = 20000) -> str:
-    """Render `url` in headless Chromium; returns the DOM, and saves a screenshot if asked."""
+def chromium(
+    url: str, *, screenshot: Path | None = None, budget_ms: int = 20000, height: int = 1000
+) -> str:
+    """Render `url` in headless Chromium (a window 1600 wide, `height` high); returns the DOM,
+    and saves a screenshot if asked."""
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
         command = [
             str(CHROMIUM),
@@ -193,7 +196,7 @@ def chromium(url: str, *, screenshot: Path | None = None, budget_ms: int = 20000
             "--disable-component-update",
             "--disable-sync",
             f"--user-data-dir={profile}",
-            "--window-size=1600,1000",
+            f"--window-size=1600,{height}",
             f"--virtual-time-budget={budget_ms}",
         ]
         command += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]

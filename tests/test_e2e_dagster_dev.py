@@ -1,23 +1,30 @@
-"""End to end: a real `dagster dev` trains two steps, driven over GraphQL and seen in Chromium.
+"""End to end: a user steers a real training from `dagster dev`, over GraphQL as the UI does.
 
-The webserver and daemon run from the repo root on a temporary instance; the runs start the
-real engine service (torchrun, Megatron-core on CPU). Screenshots of the training lineage and
-of `train_step`'s metadata plots are kept under `test-artifacts/`.
+One `dagster dev` (webserver + daemon, from the repo root, on a temporary instance) runs a
+training whose sensor keeps the long-lived trainer run going; the test writes each step's
+experiences itself, so it knows where the loop stands when it acts. While the loop trains
+(or waits for data) the test saves now, syncs now, evaluates a published version, pauses,
+backfills two steps while paused, resumes and stops early with the final save, each as the
+UI sends it; then it compares the final weights with those of the same steps trained without
+any of that. Screenshots of the lineage, `train_step`'s plots and its per-step checks are kept
+under `test-artifacts/`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import yaml
 from deltalake import DeltaTable
+from safetensors.torch import load_file
 
 from tests.dagster_dev_helpers import (
     CHROMIUM,
@@ -32,19 +39,27 @@ from tests.dagster_dev_helpers import (
     processes_with_env,
 )
 from tests.run_helpers import fill_buffer, tiny_config
+from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir, latest_weights_version
+from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.dagster_instance import instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.trainer import Trainer
+from trinity_dagster.trainer.run_state import STOPPED, read_trainer_state
 
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = REPO_ROOT / "test-artifacts" / "e2e_dagster_dev"
 RUN_TIMEOUT_S = 300.0
+TOTAL_STEPS = 8
+STOP_AT = 6
+ASSET_JOB = "__ASSET_JOB"
 TRAINING_ASSETS = ("experience_batch", "train_step", "experiences", "checkpoint", "synced_weights")
 
 ADD_PARTITION = """
-mutation($repo: RepositorySelector!, $key: String!) {
-  addDynamicPartition(repositorySelector: $repo, partitionsDefName: "step", partitionKey: $key) {
+mutation($repo: RepositorySelector!, $def: String!, $key: String!) {
+  addDynamicPartition(repositorySelector: $repo, partitionsDefName: $def, partitionKey: $key) {
     __typename
     ... on AddDynamicPartitionSuccess { partitionKey }
     ... on PythonError { message }
@@ -74,6 +89,12 @@ mutation($params: LaunchBackfillParams!) {
 }"""
 RUN_STATUS = """
 query($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status } } }"""
+JOB_RUNS = """
+query($job: String!) {
+  runsOrError(filter: {pipelineName: $job}) {
+    __typename ... on Runs { results { runId status } }
+  }
+}"""
 BACKFILL_STATUS = """
 query($id: String!) {
   partitionBackfillOrError(backfillId: $id) {
@@ -96,8 +117,8 @@ query($id: ID!) {
   }
 }"""
 MATERIALIZATIONS = """
-query($keys: [String!]) {
-  assetOrError(assetKey: {path: ["train_step"]}) {
+query($asset: [String!]!, $keys: [String!]) {
+  assetOrError(assetKey: {path: $asset}) {
     __typename
     ... on Asset {
       assetMaterializations(partitions: $keys) {
@@ -108,44 +129,24 @@ query($keys: [String!]) {
           __typename
           ... on FloatMetadataEntry { floatValue }
           ... on IntMetadataEntry { intValue }
+          ... on BoolMetadataEntry { boolValue }
         }
       }
     }
   }
 }"""
-
-
-@pytest.fixture
-def dagster_dev(tmp_path: Path) -> Iterator[tuple[DagsterDev, RunPaths]]:
-    """A `dagster dev` on a fresh instance whose run has experiences for two steps."""
-    if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: run scripts/ensure_chromium.sh (CI does)")
-    # fill_buffer's logprobs are random, not the policy's: its ppo_kl exceeds the default bound
-    extra = {"dagster": {"sensors_running": False}, "algorithm": {"kl_bound": 100.0}}
-    config, config_file = tiny_config(tmp_path, extra)
-    paths = RunPaths.of(config.run_root)
-    fill_buffer(config, steps=2)
-    paths.dagster_home.mkdir(parents=True, exist_ok=True)
-    (paths.dagster_home / "dagster.yaml").write_text(instance_yaml(paths.dagster_home))
-    shutil.rmtree(ARTIFACTS, ignore_errors=True)
-    ARTIFACTS.mkdir(parents=True)
-    dev = DagsterDev(paths.dagster_home, config_file, ARTIFACTS / "dagster_dev.log")
-    try:
-        dev.start()
-        dev.wait_until_up(timeout_s=180)
-        yield dev, paths
-    finally:
-        dev.stop()
-        stop_service(paths)
-        engine_log = paths.logs / "engine.log"
-        if engine_log.exists():
-            shutil.copy(engine_log, ARTIFACTS / "engine.log")
-    deadline = time.monotonic() + 30  # torchrun exits shortly after its stopped worker
-    while (left := processes_with_env("DAGSTER_HOME", str(paths.dagster_home))) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.5)
-    assert not left, f"processes of the dagster dev run left behind: {left}"
+CHECK_EXECUTIONS = """
+query($check: String!) {
+  assetCheckExecutions(assetKey: {path: ["train_step"]}, checkName: $check, limit: 100) {
+    runId status partition evaluation { success partition }
+  }
+}"""
+PARTITION_KEYS = """
+query {
+  assetNodeOrError(assetKey: {path: ["train_step"]}) {
+    __typename ... on AssetNode { partitionKeys }
+  }
+}"""
 
 
 def run_failure(dev: DagsterDev, run_id: str) -> str:
@@ -160,18 +161,32 @@ def run_failure(dev: DagsterDev, run_id: str) -> str:
     return "\n".join(lines) or "(no error events)"
 
 
-def wait_for_run(dev: DagsterDev, run_id: str) -> None:
-    """Block until the run succeeds; fail with its errors if it does not."""
+def run_status(dev: DagsterDev, run_id: str) -> str:
+    return dev.graphql(RUN_STATUS, {"id": run_id})["runOrError"]["status"]
+
+
+def wait_for_run(dev: DagsterDev, run_id: str, status: str = "SUCCESS") -> None:
+    """Block until the run ends; fail with its errors unless it ended with `status`."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    status = "unknown"
+    found = "unknown"
     while time.monotonic() < deadline:
-        status = dev.graphql(RUN_STATUS, {"id": run_id})["runOrError"]["status"]
-        if status in FINISHED_RUN:
+        found = run_status(dev, run_id)
+        if found in FINISHED_RUN:
             break
-        time.sleep(2)
-    assert status == "SUCCESS", (
-        f"run {run_id} ended {status}:\n{run_failure(dev, run_id)}\n{dev.log_tail(30)}"
+        time.sleep(0.5)
+    assert found == status, (
+        f"run {run_id} ended {found}:\n{run_failure(dev, run_id)}\n{dev.log_tail(30)}"
     )
+
+
+def wait_for(condition: Callable[[], Any], what: str, dev: DagsterDev) -> Any:
+    """Poll `condition` until it returns something truthy; fail naming `what`."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if found := condition():
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"{what} did not happen within {RUN_TIMEOUT_S:.0f} s:\n{dev.log_tail()}")
 
 
 def wait_for_backfill(dev: DagsterDev, backfill_id: str) -> list[dict[str, Any]]:
@@ -183,7 +198,7 @@ def wait_for_backfill(dev: DagsterDev, backfill_id: str) -> list[dict[str, Any]]
         expect_type(backfill, "PartitionBackfill", f"backfill {backfill_id}")
         if backfill["status"] in FINISHED_BACKFILL:
             break
-        time.sleep(2)
+        time.sleep(1)
     failures = [
         f"run {run['runId']} {run['status']}:\n{run_failure(dev, run['runId'])}"
         for run in backfill.get("runs", [])
@@ -195,19 +210,46 @@ def wait_for_backfill(dev: DagsterDev, backfill_id: str) -> list[dict[str, Any]]
     return backfill["runs"]
 
 
-def step_metadata(dev: DagsterDev, key: str) -> list[dict[str, Any]]:
-    """The metadata of every `train_step` materialisation of partition `key`, as dicts."""
-    asset = dev.graphql(MATERIALIZATIONS, {"keys": [key]})["assetOrError"]
-    expect_type(asset, "Asset", "train_step")
+def materializations(dev: DagsterDev, asset: str, key: str | None = None) -> list[dict[str, Any]]:
+    """Every materialisation of `asset` (of partition `key` if given): partition, run id and
+    metadata values by label."""
+    variables = {"asset": [asset], "keys": [key] if key else None}
+    node = dev.graphql(MATERIALIZATIONS, variables)["assetOrError"]
+    if node["__typename"] == "AssetNotFoundError":
+        return []
+    expect_type(node, "Asset", asset)
     out = []
-    for event in asset["assetMaterializations"]:
-        assert event["partition"] == key
-        entries = {}
-        for entry in event["metadataEntries"]:
-            value = entry.get("floatValue", entry.get("intValue"))
-            entries[entry["label"]] = value
-        out.append(entries)
+    for event in node["assetMaterializations"]:
+        values = {
+            e["label"]: e.get("floatValue", e.get("intValue", e.get("boolValue")))
+            for e in event["metadataEntries"]
+        }
+        out.append({"partition": event["partition"], "run": event["runId"], **values})
     return out
+
+
+def recorded(dev: DagsterDev, asset: str) -> Counter[str]:
+    """How many times each partition of `asset` was recorded."""
+    return Counter(m["partition"] for m in materializations(dev, asset))
+
+
+def job_runs(dev: DagsterDev, job: str) -> list[dict[str, Any]]:
+    runs = dev.graphql(JOB_RUNS, {"job": job})["runsOrError"]
+    return expect_type(runs, "Runs", f"runs of {job}")["results"]
+
+
+def launch(
+    dev: DagsterDev, job: str, *, assets: tuple[str, ...] = (), partition: str | None = None
+) -> str:
+    """Launch a run as the UI's Launchpad / Materialize button does; returns its run id."""
+    selector: dict[str, Any] = {**REPOSITORY_SELECTOR, "jobName": job}
+    if assets:
+        selector["assetSelection"] = [{"path": [asset]} for asset in assets]
+    tags = [{"key": "dagster/partition", "value": partition}] if partition else []
+    params = {"selector": selector, "executionMetadata": {"tags": tags}}
+    launched = dev.graphql(LAUNCH_RUN, {"params": params})["launchRun"]
+    what = f"launch {job} {assets} {partition}"
+    return expect_type(launched, "LaunchRunSuccess", what)["run"]["runId"]
 
 
 def visible_text(dom: str) -> str:
@@ -216,50 +258,222 @@ def visible_text(dom: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
 
 
-def test_dagster_dev_trains_two_steps_and_shows_lineage_and_plots(dagster_dev) -> None:
-    dev, paths = dagster_dev
-    for key in ("000001", "000002"):
-        added = dev.graphql(ADD_PARTITION, {"repo": REPOSITORY_SELECTOR, "key": key})
-        expect_type(added["addDynamicPartition"], "AddDynamicPartitionSuccess", f"add {key}")
+class Steering:
+    """The test's handle on the training: its config, paths, data and `dagster dev`."""
 
-    launched = dev.graphql(
-        LAUNCH_RUN,
-        {
-            "params": {
-                "selector": {**REPOSITORY_SELECTOR, "jobName": "train_job"},
-                "executionMetadata": {"tags": [{"key": "dagster/partition", "value": "000001"}]},
-            }
-        },
-    )["launchRun"]
-    run_id = expect_type(launched, "LaunchRunSuccess", "launch train_job[000001]")["run"]["runId"]
-    wait_for_run(dev, run_id)
+    def __init__(self, dev: DagsterDev, config: TrinityConfig) -> None:
+        self.dev = dev
+        self.config = config
+        self.paths = RunPaths.of(config.run_root)
+        self.data_steps = 0
+        self.timings: list[str] = []
 
-    (first,) = step_metadata(dev, "000001")
-    assert math.isfinite(first["actor/pg_loss"]), first
-    assert first["parent_step"] == 0 and first["weights_version"] == 1, first
+    def add_data(self, steps: int) -> None:
+        """Write the experiences of `steps` more train steps, as an explorer would."""
+        fill_buffer(self.config, steps, seed=100 + self.data_steps)
+        self.data_steps += steps
 
-    # step 2 as an asset backfill; the single-run policy gives it one run
+    def trained(self) -> int:
+        """The newest step a run recorded as trained."""
+        return max((int(key) for key in recorded(self.dev, "train_step")), default=0)
+
+    def wait_trained(self, step: int) -> None:
+        wait_for(
+            lambda: step_key(step) in recorded(self.dev, "train_step"), f"step {step}", self.dev
+        )
+
+    def act(self, what: str, run_id: str, status: str = "SUCCESS") -> None:
+        """Wait for the run of a user's action and log how long it took, in steps and seconds."""
+        started, at = time.monotonic(), self.trained()
+        wait_for_run(self.dev, run_id, status)
+        steps = self.trained() - at
+        self.timings.append(f"{what}: {time.monotonic() - started:.1f} s, {steps} steps")
+        print(self.timings[-1])
+        assert steps <= 2, f"{what} took {steps} steps"
+
+
+def step_key(step: int) -> str:
+    return f"{step:06d}"
+
+
+@pytest.fixture(scope="module")
+def steering(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Steering]:
+    """A `dagster dev` with the sensor on, over a training whose data the test writes."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/ensure_chromium.sh (CI does)")
+    tmp_path = tmp_path_factory.mktemp("steer")
+    extra = {
+        "dagster": {"sensors_running": True, "builtin_explorer": False},
+        # fill_buffer's logprobs are random, not the policy's: its ppo_kl exceeds the default
+        "algorithm": {"kl_bound": 100.0},
+        "trainer": {"total_steps": TOTAL_STEPS, "save_interval": 0, "save_hf_checkpoint": "last"},
+        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 100},
+        "buffer": {"read_timeout_s": 1800},
+    }
+    config, config_file = tiny_config(tmp_path, extra)
+    paths = RunPaths.of(config.run_root)
+    paths.dagster_home.mkdir(parents=True, exist_ok=True)
+    (paths.dagster_home / "dagster.yaml").write_text(instance_yaml(paths.dagster_home))
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)
+    dev = DagsterDev(paths.dagster_home, config_file, ARTIFACTS / "dagster_dev.log")
+    try:
+        dev.start()
+        dev.wait_until_up(timeout_s=180)
+        yield Steering(dev, config)
+    finally:
+        dev.stop()
+        stop_service(paths)
+        engine_log = paths.logs / "engine.log"
+        if engine_log.exists():
+            shutil.copy(engine_log, ARTIFACTS / "engine.log")
+    deadline = time.monotonic() + 30  # torchrun exits shortly after its stopped worker
+    while (left := processes_with_env("DAGSTER_HOME", str(paths.dagster_home))) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.5)
+    assert not left, f"processes of the dagster dev run left behind: {left}"
+
+
+def test_steer_a_running_training_from_the_ui(steering: Steering) -> None:
+    s, dev = steering, steering.dev
+    s.add_data(2)
+    s.wait_trained(2)  # the sensor's trainer run trained both steps and waits for step 3
+    (trainer_run,) = job_runs(dev, "train_job")
+    assert trainer_run["status"] == "STARTED"
+
+    # save now: checkpoint[2] with its HF export, recorded in the user's run
+    run = launch(dev, ASSET_JOB, assets=("checkpoint", "hf_model"), partition=step_key(2))
+    s.act("save now", run)
+    verify_checkpoint(checkpoint_dir(s.paths, 2))
+    assert (checkpoint_dir(s.paths, 2) / HF_SUBDIR / "config.json").is_file()
+    assert [m["run"] for m in materializations(dev, "checkpoint", step_key(2))] == [run]
+    assert [m["run"] for m in materializations(dev, "hf_model", step_key(2))] == [run]
+
+    # a step the engine is past fails at once, naming what can be saved
+    run = launch(dev, ASSET_JOB, assets=("checkpoint",), partition=step_key(1))
+    s.act("save a gone step", run, status="FAILURE")
+    failure = run_failure(dev, run)
+    assert "step 1 can no longer be saved: the engine is at step 2" in failure, failure
+    assert "kept checkpoints: 2" in failure, failure
+
+    # sync now: weights 2 published to explorers, recorded in the user's run
+    run = launch(dev, ASSET_JOB, assets=("synced_weights",), partition=step_key(2))
+    s.act("sync now", run)
+    (synced,) = materializations(dev, "synced_weights", step_key(2))
+    assert synced["run"] == run and synced["version"] == 2, synced
+    assert latest_weights_version(s.paths) == 2  # step 2's export serves as weights 2
+
+    # evaluate the published version beside training
+    added = dev.graphql(
+        ADD_PARTITION, {"repo": REPOSITORY_SELECTOR, "def": "weights_version", "key": "000002"}
+    )["addDynamicPartition"]
+    expect_type(added, "AddDynamicPartitionSuccess", "add weights_version 000002")
+    run = launch(dev, "evaluation_job", partition=step_key(2))
+    s.act("evaluate", run)
+    (evaluated,) = materializations(dev, "evaluation", step_key(2))
+    assert 0.0 <= evaluated["eval/addition_eval/accuracy"] <= 1.0, evaluated
+    assert job_runs(dev, "train_job")[0]["status"] == "STARTED", "training went on meanwhile"
+
+    # pause after step 3: the trainer run ends, and the sensor starts none while paused
+    s.add_data(1)
+    s.wait_trained(3)
+    run = launch(dev, "pause_training")
+    s.act("pause", run)
+    wait_for_run(dev, trainer_run["runId"])
+    state = read_trainer_state(s.paths)
+    assert state is not None and state.state == "paused" and state.step == 3, state
+
+    # backfill steps 4 and 5 while paused, selecting train_step alone
+    s.add_data(2)
     started = dev.graphql(
         LAUNCH_BACKFILL,
         {
             "params": {
-                "partitionNames": ["000002"],
-                "assetSelection": [{"path": ["experience_batch"]}, {"path": ["train_step"]}],
+                "partitionNames": [step_key(4), step_key(5)],
+                "assetSelection": [{"path": ["train_step"]}],
             }
         },
     )["launchPartitionBackfill"]
-    backfill_id = expect_type(started, "LaunchBackfillSuccess", "backfill 000002")["backfillId"]
+    backfill_id = expect_type(started, "LaunchBackfillSuccess", "backfill 4..5")["backfillId"]
     (backfill_run,) = wait_for_backfill(dev, backfill_id)
-    tags = {tag["key"]: tag["value"] for tag in backfill_run["tags"]}
-    assert tags.get("dagster/backfill") == backfill_id, tags
-    (second,) = step_metadata(dev, "000002")
-    assert math.isfinite(second["actor/pg_loss"]) and second["parent_step"] == 1, second
-    # the engine trained on what the runs pinned in Delta: batch sizes agree with the table
-    pinned = DeltaTable(paths.batches).to_pyarrow_table(columns=["step", "kind"]).to_pylist()
-    per_step = Counter(row["step"] for row in pinned if row["kind"] == "train")
-    assert per_step == {1: first["batch_size"], 2: second["batch_size"]}, per_step
-    assert first["batch_size"] > 0, first
+    for asset in ("experience_batch", "train_step"):  # no hole in the lineage
+        runs = {m["partition"]: m["run"] for m in materializations(dev, asset)}
+        assert runs[step_key(4)] == runs[step_key(5)] == backfill_run["runId"], (asset, runs)
+    state = read_trainer_state(s.paths)
+    assert state is not None and state.state == "paused" and state.step == 5, state
+    assert len(job_runs(dev, "train_job")) == 1, "the sensor must not restart a paused training"
 
+    # resume: the sensor starts the trainer run from step 6
+    run = launch(dev, "resume_training")
+    s.act("resume", run)
+    wait_for(lambda: len(job_runs(dev, "train_job")) == 2, "a new trainer run", dev)
+    s.add_data(1)
+    s.wait_trained(STOP_AT)
+
+    # stop: the final blocking save with its HF export, as a normal end of training
+    run = launch(dev, "stop_training")
+    s.act("stop", run)
+    state = read_trainer_state(s.paths)
+    assert state is not None and state.state == "finished" and state.step == STOP_AT, state
+    assert state.reason.startswith(STOPPED), state
+    final = checkpoint_dir(s.paths, STOP_AT)
+    verify_checkpoint(final)
+    assert (final / HF_SUBDIR / "config.json").is_file()
+    wait_for(lambda: step_key(STOP_AT) in recorded(dev, "checkpoint"), "the final checkpoint", dev)
+    print("\n".join(s.timings))
+
+    # every step recorded once; partitions are the trained steps only (100% filled)
+    trained = [step_key(n) for n in range(1, STOP_AT + 1)]
+    assert recorded(dev, "train_step") == Counter(trained)
+    assert recorded(dev, "experience_batch") == Counter(trained)
+    node = dev.graphql(PARTITION_KEYS)["assetNodeOrError"]
+    assert node["partitionKeys"] == trained, node
+    pinned = DeltaTable(s.paths.batches).to_pyarrow_table(columns=["step", "kind"]).to_pylist()
+    per_step = Counter(row["step"] for row in pinned if row["kind"] == "train")
+    assert per_step == {n: s.config.buffer.train_batch_size for n in range(1, STOP_AT + 1)}
+
+    # each step's checks were logged as that step finished, by the run that trained it
+    train_runs = {m["partition"]: m["run"] for m in materializations(dev, "train_step")}
+    for check in ("loss_is_finite", "kl_within_bound"):
+        executions = dev.graphql(CHECK_EXECUTIONS, {"check": check})["assetCheckExecutions"]
+        passed = {
+            e["partition"]: e["runId"]
+            for e in executions
+            if e["evaluation"] and e["evaluation"]["success"]
+        }
+        assert {k: passed.get(k) for k in trained} == train_runs, (check, executions)
+
+    assert_same_weights_as_uninterrupted(s)
+    look_in_chromium(s)
+
+
+def assert_same_weights_as_uninterrupted(s: Steering) -> None:
+    """The final weights equal those of the same batches trained in one go, no actions."""
+    root = s.paths.root.parent / "uninterrupted"
+    shutil.copytree(s.paths.root / "experiences", root / "experiences")
+    shutil.copytree(s.paths.root / "batches", root / "batches")  # the same pinned rows
+    data = s.config.model_dump(mode="json")
+    data["run_root"] = str(root)
+    data["trainer"]["total_steps"] = STOP_AT
+    file = root.parent / "uninterrupted.yaml"
+    file.write_text(yaml.safe_dump(data))
+    ref_paths = RunPaths.of(root)
+    try:
+        reason = asyncio.run(Trainer(load_config(file)).run())
+    finally:
+        stop_service(ref_paths)
+    assert reason.startswith(f"trained all {STOP_AT} steps"), reason
+    ours = load_file(checkpoint_dir(s.paths, STOP_AT) / HF_SUBDIR / "model.safetensors")
+    theirs = load_file(checkpoint_dir(ref_paths, STOP_AT) / HF_SUBDIR / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    delta = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    assert delta == 0.0, f"max |dw| = {delta} against the uninterrupted run"
+
+
+def look_in_chromium(s: Steering) -> None:
+    """The lineage, `train_step`'s plots and its per-step checks render in the UI."""
+    dev = s.dev
     try:
         dev.graphql("mutation { setNuxSeen }")  # the first-visit dialog would hide the page
     except GraphQLError as err:
@@ -268,8 +482,7 @@ def test_dagster_dev_trains_two_steps_and_shows_lineage_and_plots(dagster_dev) -
     lineage = visible_text(chromium(f"{group}/lineage"))
     missing = [name for name in TRAINING_ASSETS if name not in lineage]
     assert not missing, f"the lineage page lacks {missing}: {lineage[:2000]}"
-    for expected in ("2 partitions", "2 / 2 Passed"):  # both steps trained, both checks passed
-        assert expected in lineage, f"the lineage page lacks {expected!r}: {lineage[:2000]}"
+    assert f"{STOP_AT} partitions" in lineage, lineage[:2000]
     chromium(f"{group}/lineage", screenshot=ARTIFACTS / "lineage.png")
 
     # selecting train_step opens its sidebar: latest metadata and per-partition plots
@@ -280,5 +493,13 @@ def test_dagster_dev_trains_two_steps_and_shows_lineage_and_plots(dagster_dev) -
     for expected in ("Metadata plots", "actor/pg_loss", "parent_step"):
         assert expected in sidebar, f"the train_step sidebar lacks {expected!r}: {sidebar[:3000]}"
     chromium(selected, screenshot=ARTIFACTS / "train_step_plots.png")
-    for shot in ("lineage.png", "train_step_plots.png"):
+
+    # a step's partition page shows that step's checks
+    page = f"{dev.url}/assets/train_step?view=partitions&partition={step_key(3)}"
+    text = visible_text(chromium(page))
+    for expected in ("check/loss_is_finite passed", "check/kl_within_bound passed"):
+        assert expected in text, f"the partition page lacks {expected!r}: {text[:4000]}"
+    chromium(page, screenshot=ARTIFACTS / "train_step_partition_checks.png", height=2000)
+    for shot in ("lineage.png", "train_step_plots.png", "train_step_partition_checks.png"):
         assert (ARTIFACTS / shot).stat().st_size > 20_000, f"{shot} looks blank"
+    assert all(math.isfinite(m["actor/pg_loss"]) for m in materializations(dev, "train_step"))

@@ -114,6 +114,11 @@ class RunPaths:
         return self.root / "service"
 
     @property
+    def control(self) -> Path:
+        """Requests from Dagster runs to the trainer loop and their answers; the pause mark."""
+        return self.root / "control"
+
+    @property
     def tokenizer(self) -> Path:
         """The tokenizer (HF format) shared by the model, explorers and exports."""
         return self.root / "tokenizer"

@@ -7,8 +7,9 @@ reports the step. The model stays loaded between steps. Weights:
   (`sync_interval`, `sync_offset`);
 - `sync_style: explorer_driven`: after every `sync_interval` explore steps it asks the
   trainer for newer weights (`trainer.sync_requests`) and goes on once answered.
-It waits at most `synchronizer.sync_timeout` seconds for weights, and stops when the trainer
-stopped: normally if the trainer finished, with `TrainerStoppedError` if it failed. When the
+It waits at most `synchronizer.sync_timeout` seconds for weights (without a limit while the
+user paused training), and stops when the trainer stopped: normally if the trainer
+finished, with `TrainerStoppedError` if it failed. When the
 task set is used up (`buffer.total_epochs`) or every explore step the trainer needs is done,
 it marks the end of data, so a trainer waiting for more stops cleanly.
 """
@@ -30,6 +31,7 @@ from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer.control import paused_by
 from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.sync_requests import is_answered, request_sync
 
@@ -174,7 +176,9 @@ class ExplorerLoop:
         return stopped or None
 
     def _wait(self, ready: Callable[[], bool], what: str) -> str:
-        """Wait until `ready()`; returns "" then, or why the loop stops (trainer finished)."""
+        """Wait until `ready()`; returns "" then, or why the loop stops (trainer finished).
+
+        While training is paused by the user the wait has no deadline."""
         deadline = time.monotonic() + self.config.synchronizer.sync_timeout
         while not ready():
             state = read_trainer_state(self.paths)
@@ -182,6 +186,8 @@ class ExplorerLoop:
                 raise TrainerStoppedError(f"{what}, but the trainer failed: {state.reason}")
             if state is not None and state.state == "finished" and self._finished_now(state.step):
                 return f"the trainer finished ({state.reason})"
+            if time.monotonic() > deadline and paused_by(self.paths) is not None:
+                deadline = time.monotonic() + self.config.synchronizer.sync_timeout
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{what}; none came within synchronizer.sync_timeout "

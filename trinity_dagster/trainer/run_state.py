@@ -1,4 +1,5 @@
-"""The trainer's run state (`logs/trainer_state.json`): running, finished or failed, and why.
+"""The trainer's run state (`logs/trainer_state.json`): running, paused, finished or failed,
+and why.
 
 The trainer loop writes it; explorers read it while they wait for weights (a stopped trainer
 will publish none), the sensors read it to know whether to start a trainer run, and the
@@ -8,17 +9,22 @@ will publish none), the sensors read it to know whether to start a trainer run, 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import psutil
+
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
-State = Literal["running", "finished", "failed"]
+State = Literal["running", "paused", "finished", "failed"]
 STATE_FILE = "trainer_state.json"
 DATA_ENDED = "data ended"
+STOPPED = "stopped by request"
 
 
 @dataclass(frozen=True)
@@ -29,11 +35,26 @@ class TrainerState:
     step: int
     reason: str = ""
     updated_at: float = 0.0
+    pid: int = 0
+    host: str = ""
+
+    def loop_alive(self) -> bool:
+        """Whether a trainer loop is running now (judged by its pid on this machine; a loop
+        on another machine counts as alive while its state says running)."""
+        if self.state != "running":
+            return False
+        if self.host != socket.gethostname():
+            return True
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def finished(self, total_steps: int) -> bool:
-        """Whether training of a run with `total_steps` is over (all steps, or data ended)."""
+        """Whether training of a run with `total_steps` is over (all steps, data ended, or
+        stopped by a user's request)."""
         return self.state == "finished" and (
-            self.step >= total_steps or self.reason.startswith(DATA_ENDED)
+            self.step >= total_steps or self.reason.startswith((DATA_ENDED, STOPPED))
         )
 
 
@@ -44,7 +65,7 @@ def state_path(paths: RunPaths) -> Path:
 
 def write_trainer_state(paths: RunPaths, state: State, step: int, reason: str = "") -> None:
     """Record the trainer's state (atomically)."""
-    record = TrainerState(state, step, reason, time.time())
+    record = TrainerState(state, step, reason, time.time(), os.getpid(), socket.gethostname())
     write_text_atomic(state_path(paths), json.dumps(asdict(record)))
 
 

@@ -11,7 +11,11 @@ with the trainer state `failed` and the exception raised to the caller.
 
 The Dagster graph runs this loop in its long-lived trainer run and passes a hook that logs
 `experience_batch[N]`, `train_step[N]` and `synced_weights[N]`; Python users call
-`asyncio.run(Trainer(config).run())` without Dagster. After the hook, each step's metrics
+`asyncio.run(Trainer(config).run())` without Dagster. At each step boundary and while it
+waits for data, the loop serves the control requests of Dagster runs
+(`trinity_dagster.trainer.control`): save or sync now (or when it reaches the asked step),
+pause (end after the current step and its due saves, the engine left at that step) and stop
+(end now with the final save, as a normal end of training). After the hook, each step's metrics
 also go to the tracking backends of `monitor.backends` (`trinity_dagster.monitor`), and the
 final save's HF export to those that keep models (MLflow).
 """
@@ -29,12 +33,20 @@ from trinity_dagster.buffer.end_of_data import end_of_data
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
 from trinity_dagster.buffer.tables import has_commit_after
 from trinity_dagster.checkpoint import rules
-from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
+from trinity_dagster.checkpoint.layout import (
+    HF_SUBDIR,
+    checkpoint_dir,
+    latest_weights_version,
+    scan_step_dirs,
+)
+from trinity_dagster.checkpoint.publish import published_info
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer import control
+from trinity_dagster.trainer.control import ControlRequest
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
-from trinity_dagster.trainer.run_state import DATA_ENDED, write_trainer_state
+from trinity_dagster.trainer.run_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, pending_requests
 
 log = logging.getLogger(__name__)
@@ -56,6 +68,10 @@ class SyncWithheldError(RuntimeError):
         self.problems = problems
 
 
+class _Halted(Exception):
+    """A pause or stop request was claimed while the loop waited for data."""
+
+
 class TrainerHook:
     """Receives what the loop did; the Dagster graph logs materialisations from it."""
 
@@ -66,7 +82,8 @@ class TrainerHook:
         """Step N trained (`record` from the engine), synced and saved as due (`metrics`)."""
 
     def on_sync(self, step: int, info: dict[str, Any]) -> None:
-        """Weights version N are published to explorers."""
+        """Weights version N are published to explorers (not called for a sync that a control
+        request asked for: the asking run records it)."""
 
 
 @contextmanager
@@ -97,6 +114,7 @@ class Trainer:
         self.save_hf_checkpoint = config.trainer.save_hf_checkpoint
         self.last_sync_step = 0
         self._last_record: dict[str, Any] | None = None
+        self._halt: ControlRequest | None = None  # the pause or stop request being obeyed
         self.monitor = MonitorGroup({})  # the tracking backends, started by prepare()
 
     @property
@@ -126,29 +144,43 @@ class Trainer:
         final blocking save; stopping at `last_step` (a range of steps) does not.
         """
         end = self.total_steps if last_step is None else min(last_step, self.total_steps)
+        self._halt = None
         try:
             reason, final = await self._loop(end)
             if final:
-                self.save_checkpoint(
-                    block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never"
+                self.finish(reason)
+            elif self._halt is not None or control.paused_by(self.paths) is not None:
+                write_trainer_state(self.paths, "paused", self.train_step_num, reason)
+            self._serve_step_requests()  # those of the step it ends at
+            self._refuse_open_requests(reason)
+            if self._halt is not None:
+                control.answer(
+                    self.paths, self._halt, ok=True, message=reason, step=self.train_step_num
                 )
-                self._publish_final_weights()
-                self._log_final_model()
-                answer_requests(self._requests())  # no newer weights will come
-                write_trainer_state(self.paths, "finished", self.train_step_num, reason)
         except Exception as err:  # an interrupted loop (killed, cancelled) resumes: no state
-            write_trainer_state(
-                self.paths, "failed", self.train_step_num, f"{type(err).__name__}: {err}"
-            )
+            why = f"{type(err).__name__}: {err}"
+            write_trainer_state(self.paths, "failed", self.train_step_num, why)
+            self._refuse_open_requests(f"training failed at step {self.train_step_num}: {why}")
             raise
         log.info("trainer stopped at step %d: %s", self.train_step_num, reason)
         return reason
+
+    def finish(self, reason: str) -> None:
+        """End training at the current step: the final blocking save (with the HF export unless
+        `save_hf_checkpoint: never`), explorers answered, the state `finished`."""
+        self.save_checkpoint(block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never")
+        self._publish_final_weights()
+        self._log_final_model()
+        answer_requests(self._requests())  # no newer weights will come
+        write_trainer_state(self.paths, "finished", self.train_step_num, reason)
 
     async def _loop(self, end: int) -> tuple[str, bool]:
         """Train up to step `end`; returns (why it stopped, whether a final save is due)."""
         # a save or sync owed by the step an earlier (killed) run trained
         await self._finish_step(final=self.train_step_num == self.total_steps)
         while self.train_step_num < end:
+            if (halt := self._serve_control()) is not None:
+                return halt
             metrics: dict[str, Any] = {}
             started = time.perf_counter()
             try:
@@ -156,6 +188,8 @@ class Trainer:
                     batch = await self._sample_data()
             except StopAsyncIteration as ended:
                 return f"{DATA_ENDED} after step {self.train_step_num}: {ended}", True
+            except _Halted:
+                return self._halt_reason()
             step = batch.step
             metrics.update(await self.train_step(batch))
             metrics.update(await self._finish_step(final=step == self.total_steps))
@@ -225,6 +259,8 @@ class Trainer:
                     f"{shortfall.message}"
                 )
             await self._serve_sync()  # explorers waiting for weights go on
+            if self._serve_control() is not None:
+                raise _Halted
             await asyncio.sleep(POLL_S)
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
@@ -252,20 +288,25 @@ class Trainer:
 
     async def sync_weight(self) -> dict[str, Any]:
         """Send the current weights to explorers by `synchronizer.sync_method`."""
+        metrics: dict[str, Any] = {}
+        with timer(metrics, "time/sync_weight"):
+            info = self._sync()
+        self.hook.on_sync(self.train_step_num, info)
+        return metrics
+
+    def _sync(self) -> dict[str, Any]:
+        """Publish the current weights; returns their version, path and size."""
         step = self.train_step_num
         self._refuse_withheld(step)
-        metrics: dict[str, Any] = {}
         method = self.config.synchronizer.sync_method
-        with timer(metrics, "time/sync_weight"):
-            if method == "checkpoint":
-                info = self.engine.save_state_dict()
-            elif method == "memory":
-                info = self.engine.upload_state_dict()
-            else:
-                info = self.engine.sync_weight()
+        if method == "checkpoint":
+            info = self.engine.save_state_dict()
+        elif method == "memory":
+            info = self.engine.upload_state_dict()
+        else:
+            info = self.engine.sync_weight()
         self.last_sync_step = step
-        self.hook.on_sync(step, info)
-        return metrics
+        return info
 
     def save_checkpoint(
         self, block_until_saved: bool = False, save_as_hf: bool = False
@@ -320,6 +361,89 @@ class Trainer:
         if self.train_step_num > 0 and self.save_hf_checkpoint != "never":
             hf_dir = checkpoint_dir(self.paths, self.train_step_num) / HF_SUBDIR
             self.monitor.log_final_model(hf_dir)
+
+    def _serve_control(self) -> tuple[str, bool] | None:
+        """Serve the control requests due now; returns (why the loop ends, whether a final
+        save is due) when a pause or stop request was claimed."""
+        requests = self._serve_step_requests()
+        for request in requests:
+            if request.action in ("pause", "stop") and control.claim(self.paths, request):
+                self._halt = request
+                return self._halt_reason()
+        return None
+
+    def _serve_step_requests(self) -> list[ControlRequest]:
+        """Serve the save and sync requests due now; returns every pending request seen."""
+        requests = control.pending_requests(self.paths)
+        for request in requests:
+            if request.action in ("save", "sync"):
+                self._serve_step_request(request)
+        return requests
+
+    def _halt_reason(self) -> tuple[str, bool]:
+        assert self._halt is not None
+        at, by = self.train_step_num, self._halt.request_id
+        if self._halt.action == "stop":
+            return f"{STOPPED} {by} at step {at}", True
+        return f"paused by request {by} at step {at}", False
+
+    def _serve_step_request(self, request: ControlRequest) -> None:
+        """Save or sync the current step for a run that asked; a request for a later step
+        waits for it, one for a step that is gone is refused with what is still possible."""
+        assert request.step is not None
+        step, now = request.step, self.train_step_num
+        if now < step <= self.total_steps or not control.claim(self.paths, request):
+            return
+        try:
+            if step > self.total_steps:
+                raise ValueError(
+                    f"training ends at step {self.total_steps} (trainer.total_steps), "
+                    f"before step {step}"
+                )
+            result = (
+                self._save_now(step, request.hf)
+                if request.action == "save"
+                else self._sync_now(step)
+            )
+        except Exception as err:  # the asking run fails with it; training goes on
+            log.warning("refused %s: %s", request.describe(), err)
+            control.answer(self.paths, request, ok=False, message=str(err))
+            return
+        control.answer(self.paths, request, ok=True, message=f"{request.action} done", **result)
+
+    def _save_now(self, step: int, hf: bool) -> dict[str, Any]:
+        if step < self.train_step_num:
+            kept = [d.step for d in scan_step_dirs(self.paths.checkpoints) if d.kind == "final"]
+            raise ValueError(
+                f"step {step} can no longer be saved: the engine is at step "
+                f"{self.train_step_num} (that step and later ones can be saved); kept "
+                f"checkpoints: {', '.join(map(str, kept)) or 'none'}"
+            )
+        self.save_checkpoint(save_as_hf=hf)
+        return {"path": str(checkpoint_dir(self.paths, step))}
+
+    def _sync_now(self, step: int) -> dict[str, Any]:
+        if step == self.train_step_num and self.last_sync_step != step:
+            return self._sync()
+        info = published_info(self.paths, step)
+        if info is None:
+            raise ValueError(
+                f"weights of step {step} were not published and the engine is at step "
+                f"{self.train_step_num}; only the current step's weights can be published now "
+                f"(newest published version: {latest_weights_version(self.paths) or 0})"
+            )
+        return info
+
+    def _refuse_open_requests(self, reason: str) -> None:
+        """Answer the save and sync requests that this loop will not reach."""
+        for request in control.pending_requests(self.paths):
+            if request.action in ("save", "sync") and control.claim(self.paths, request):
+                control.answer(
+                    self.paths,
+                    request,
+                    ok=False,
+                    message=f"the trainer loop ended before serving it ({reason})",
+                )
 
     def _checkpoint_sync(self) -> bool:
         return self.config.synchronizer.sync_method == "checkpoint"
