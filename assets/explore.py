@@ -18,7 +18,7 @@ import dagster as dg
 
 from assets.jobs import evaluation_job
 from assets.partitions import step_key, step_of, step_partitions, weights_partitions
-from assets.steps import run_steps, step_materialization
+from assets.steps import StepPartitions, run_last_step, run_steps, step_materialization
 from resources.run_config import RunConfigResource, load_run_config
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
 
@@ -48,15 +48,17 @@ def rollouts(
     """The built-in explorer loop over the run's explore steps, one model kept loaded."""
     from trinity_dagster.explorer.loop import ExplorerLoop
 
+    partitions = StepPartitions(context.instance)
+
     def log_step(step: int, metadata: dict) -> None:
+        partitions.ensure(step)
         context.log_event(step_materialization(ROLLOUTS, step, metadata))
 
-    steps = run_steps(context)
     done = {
         step_of(key) for key in context.instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
     }
     loop = ExplorerLoop(run_config.config, on_step=log_step)
-    reason = loop.run(steps[0], steps[-1], done)
+    reason = loop.run(run_steps(context)[0], run_last_step(context), done)
     context.log.info(f"explorer loop stopped: {reason}")
     yield from ()  # each step was logged as it finished; there is no output at the end
 

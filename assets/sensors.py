@@ -30,6 +30,7 @@ from assets.control import run_of_request
 from assets.explore import EVALUATION, ROLLOUTS, weights_partitions
 from assets.jobs import evaluation_job, rollouts_job, train_job
 from assets.partitions import step_key, step_of, step_partitions
+from assets.steps import UNTIL_DATA_ENDS_TAG
 from assets.training import SYNCED, TRAIN
 from assets.weights import CHECKPOINT, HF_MODEL, checkpoint_metadata, hf_metadata
 from resources.run_config import RunConfigResource, load_run_config
@@ -151,16 +152,24 @@ def launch_attempt(
 
 
 def ranged_request(
-    job_name: str, first: int, last: int, total: int, attempt: int
+    job_name: str, first: int, last: int | None, total: int | None, attempt: int
 ) -> dg.SensorResult:
-    """One run of job `job_name` over steps first..last, with partitions 1..total added first."""
-    keys = [step_key(step) for step in range(1, total + 1)]
+    """One run of job `job_name` over steps first..last, with partitions 1..total added first.
+
+    `last` None: an open-ended run (`trainer.total_steps` unset) from step `first` on, which
+    adds the partitions of later steps as it records them.
+    """
+    keys = [step_key(step) for step in range(1, (total or first) + 1)]
+    tags = {RANGE_START: step_key(first), RANGE_END: step_key(last or first)}
+    if last is None:
+        tags[UNTIL_DATA_ENDS_TAG] = "true"
+    end = step_key(last) if last is not None else "end"
     return dg.SensorResult(
         run_requests=[
             dg.RunRequest(
-                run_key=f"{job_name}-{step_key(first)}-{step_key(last)}-{attempt}",
+                run_key=f"{job_name}-{step_key(first)}-{end}-{attempt}",
                 job_name=job_name,
-                tags={RANGE_START: step_key(first), RANGE_END: step_key(last)},
+                tags=tags,
             )
         ],
         dynamic_partitions_requests=[step_partitions.build_add_request(keys)],
@@ -170,7 +179,8 @@ def ranged_request(
 def trainer_request(
     instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """A trainer run over next..total_steps unless one runs or training finished."""
+    """A trainer run over next..total_steps (from next on until the data ends when
+    `total_steps` is unset) unless one runs, training finished or it is paused."""
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}: {finished.reason}")
@@ -197,14 +207,14 @@ def explorer_request(
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}")
-    needed = explore_steps_needed(run_config.config)
+    needed = explore_steps_needed(run_config.config)  # None: until the task set is used up
     first = newest_step(instance, ROLLOUTS) + 1
-    if first > needed:
+    if needed is not None and first > needed:
         return dg.SkipReason(f"all {needed} explore steps are done")
     attempt = launch_attempt(instance, rollouts_job.name, first, None)
     if isinstance(attempt, str):
         return dg.SkipReason(attempt)
-    total = max(needed, run_config.config.trainer.total_steps)
+    total = None if needed is None else max(needed, run_config.config.trainer.total_steps or 0)
     return ranged_request(rollouts_job.name, first, needed, total, attempt)
 
 

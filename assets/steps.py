@@ -6,18 +6,46 @@ that later fail. So the step-partitioned assets are declared skippable and log o
 `AssetMaterialization` per step, with that step's own metadata, as soon as the step is
 done: a run over steps a..b shows each step's metrics in the UI's plots, and a failure at
 step k leaves a..k-1 recorded and k..b not.
+
+A run tagged `trinity/until_data_ends` (the sensor's runs when `trainer.total_steps` is
+unset) starts at its first step and goes on until the data ends; it adds each later step's
+partition as it records the step, so the partitions are exactly the steps done.
 """
 
 from typing import Any
 
 import dagster as dg
 
-from assets.partitions import step_key, step_of
+from assets.partitions import step_key, step_of, step_partitions
+
+UNTIL_DATA_ENDS_TAG = "trinity/until_data_ends"
 
 
 def run_steps(context: dg.AssetExecutionContext) -> list[int]:
     """The training steps of this run's partitions, in ascending order."""
     return sorted(step_of(key) for key in context.partition_keys)
+
+
+def run_last_step(context: dg.AssetExecutionContext) -> int | None:
+    """The last step this run covers; None for a run that goes on until the data ends."""
+    if context.run.tags.get(UNTIL_DATA_ENDS_TAG) == "true":
+        return None
+    return run_steps(context)[-1]
+
+
+class StepPartitions:
+    """Adds the step partitions a run records beyond the ones that exist (an open-ended run)."""
+
+    def __init__(self, instance: dg.DagsterInstance) -> None:
+        self.instance = instance
+        self.known = set(instance.get_dynamic_partitions(step_partitions.name))
+
+    def ensure(self, step: int) -> None:
+        """Make sure step N's partition exists."""
+        key = step_key(step)
+        if key not in self.known:
+            self.instance.add_dynamic_partitions(step_partitions.name, [key])
+            self.known.add(key)
 
 
 def step_materialization(

@@ -21,7 +21,13 @@ import dagster as dg
 import pyarrow.compute as pc
 
 from assets.partitions import step_key, step_partitions
-from assets.steps import numeric_metadata, run_steps, step_materialization
+from assets.steps import (
+    StepPartitions,
+    numeric_metadata,
+    run_last_step,
+    run_steps,
+    step_materialization,
+)
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.buffer.reader import load_step_batch
@@ -80,10 +86,15 @@ class DagsterTrainerHook(TrainerHook):
         self.run_config = run_config
         self.synced: set[int] = set()
         self.recorded = context.instance.get_materialized_partitions(dg.AssetKey(TRAIN))
+        self.partitions = StepPartitions(context.instance)
+
+    def log(self, asset: str, step: int, metadata: dict[str, Any]) -> None:
+        """Log the materialisation of step N's partition of `asset` (added if new)."""
+        self.partitions.ensure(step)
+        self.context.log_event(step_materialization(asset, step, metadata))
 
     def on_batch(self, step: int, batch: PinResult) -> None:
-        metadata = batch_metadata(self.run_config, step, batch)
-        self.context.log_event(step_materialization(BATCH, step, metadata))
+        self.log(BATCH, step, batch_metadata(self.run_config, step, batch))
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
         if record.get("already_trained") and step_key(step) in self.recorded:
@@ -96,11 +107,11 @@ class DagsterTrainerHook(TrainerHook):
             synced=step in self.synced,
             saved="time/save_checkpoint" in metrics,
         )
-        self.context.log_event(step_materialization(TRAIN, step, metadata))
+        self.log(TRAIN, step, metadata)
 
     def on_sync(self, step: int, info: dict[str, Any]) -> None:
         self.synced.add(step)
-        self.context.log_event(step_materialization(SYNCED, step, sync_metadata(info)))
+        self.log(SYNCED, step, sync_metadata(info))
 
     def check(self, step: int, metrics: dict[str, Any]) -> dict[str, str]:
         """Log step N's results of the blocking health checks, as step N's partition; returns
@@ -110,6 +121,7 @@ class DagsterTrainerHook(TrainerHook):
             "loss_is_finite": loss_is_finite(metrics),
             "kl_within_bound": kl_within_bound(metrics, kl_bound),
         }
+        self.partitions.ensure(step)
         for name, (ok, reason) in results.items():
             self.context.log_event(
                 dg.AssetCheckEvaluation(
@@ -135,7 +147,7 @@ class DagsterTrainerHook(TrainerHook):
             if step_key(step) not in self.recorded:
                 checks = self.check(step, record["metrics"])
                 metadata = train_metadata(record, record["metrics"], **checks, recovered=True)
-                self.context.log_event(step_materialization(TRAIN, step, metadata))
+                self.log(TRAIN, step, metadata)
                 self.recorded.add(step_key(step))
 
 
@@ -202,8 +214,8 @@ def run_trainer(
     engine: EngineResource,
     steps: list[int],
 ) -> None:
-    """`Trainer.train` up to the run's last step."""
-    first, last = steps[0], steps[-1]
+    """`Trainer.train` up to the run's last step (or until the data ends)."""
+    first, last = steps[0], run_last_step(context)
     hook = DagsterTrainerHook(context, run_config)
     trainer = Trainer(run_config.config, engine.wrapper(), hook)
     try:
@@ -214,7 +226,7 @@ def run_trainer(
                 f"the engine is at step {at}: steps {at + 1}..{first - 1} must be trained "
                 f"before step {first}; materialize them first"
             )
-        hook.record_unlogged(list(range(first, min(at, last) + 1)))
+        hook.record_unlogged(list(range(first, (at if last is None else min(at, last)) + 1)))
         reason = asyncio.run(trainer.train(last_step=last))
     except SyncWithheldError as err:
         raise dg.Failure(str(err), metadata={"step": err.step}) from err

@@ -110,6 +110,16 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
             "dagster.sensor_interval_s",
             "at least 5: Dagster's sensor daemon evaluates sensors at most every 5 s",
         ),
+        (
+            {"trainer": {"total_steps": None, "optim": {"lr_scheduler": "cosine"}}},
+            "trainer.optim.lr_scheduler",
+            "'cosine' decays to min_lr at trainer.total_steps, which is unset",
+        ),
+        (
+            {"trainer": {"total_steps": None}, "algorithm": {"algorithm_type": "sft"}},
+            "trainer.sft_warmup_steps",
+            "set it, or trainer.total_steps",
+        ),
     ],
 )
 def test_bad_config_names_file_and_key_path(

@@ -8,7 +8,9 @@ import dagster as dg
 import pytest
 
 from assets.experiences import experience_schema, experiences
+from assets.explore import rollouts
 from assets.sensors import checkpoint_records, rft_loop_sensor, trainer_request
+from assets.steps import UNTIL_DATA_ENDS_TAG
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
@@ -19,7 +21,7 @@ from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
 from trinity_dagster.commands.training_run import metadata_values
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.trainer.run_state import read_trainer_state
+from trinity_dagster.trainer.run_state import DATA_ENDED, read_trainer_state
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -200,3 +202,64 @@ def test_a_sync_served_by_a_checkpoint_is_recorded_when_the_weights_marker_names
         set_latest_weights_version(paths, 3)
         assert tick() == {("synced_weights", "000002")}
         assert tick() == set()
+
+
+def test_without_total_steps_training_goes_on_until_the_explorers_data_ends(
+    tmp_path: Path,
+) -> None:
+    # Trinity-RFT's default: no total_steps. One pass over the task set (buffer.total_epochs)
+    # is all the data; every explore step may use the initial weights (sync_offset), so the
+    # explorer run can finish before the trainer run starts, in process.
+    config, config_file = tiny_config(
+        tmp_path,
+        {
+            "trainer": {"total_steps": None, "save_interval": 0, "save_hf_checkpoint": "last"},
+            "buffer": {"train_batch_size": 32, "total_epochs": 1},
+            "synchronizer": {"sync_offset": 1000},
+        },
+    )
+    run_config = RunConfigResource(config_path=str(config_file))
+    resources = {"run_config": run_config, "engine": EngineResource(run_config=run_config)}
+    paths = RunPaths.of(config.run_root)
+    try:
+        with dg.instance_for_test() as instance:
+            context = dg.build_sensor_context(
+                instance=instance, resources={"run_config": run_config}
+            )
+            first = rft_loop_sensor.evaluate_tick(context)
+            requests = {request.job_name: request for request in first.run_requests}
+            assert set(requests) == {"train_job", "rollouts_job"}
+            for request in requests.values():  # open-ended runs from step 1, one partition
+                assert request.tags[UNTIL_DATA_ENDS_TAG] == "true", request.tags
+                assert (request.tags[RANGE_START], request.tags[RANGE_END]) == ("000001",) * 2
+            (partitions,) = first.dynamic_partitions_requests
+            assert partitions.partition_keys == ["000001"]
+            instance.add_dynamic_partitions("step", ["000001"])
+
+            explored = dg.materialize(
+                [rollouts],
+                instance=instance,
+                resources=resources,
+                tags=requests["rollouts_job"].tags,
+            )
+            assert explored.success
+            explore_steps = sorted(instance.get_materialized_partitions(dg.AssetKey("rollouts")))
+            assert len(explore_steps) > 1, explore_steps  # partitions added as steps were done
+
+            trained = dg.materialize(
+                [train], instance=instance, resources=resources, tags=requests["train_job"].tags
+            )
+            assert trained.success
+            steps = sorted(instance.get_materialized_partitions(dg.AssetKey("train_step")))
+            assert steps == explore_steps, "one explore step of 32 rows per train step"
+            # the step partitions are exactly the trained steps: 100% filled
+            assert sorted(instance.get_dynamic_partitions("step")) == steps
+            state = read_trainer_state(paths)
+            assert state is not None and state.finished(None), state
+            assert state.reason.startswith(DATA_ENDED) and state.step == len(steps), state
+            final = checkpoint_dir(paths, len(steps))
+            assert (final / "huggingface" / "config.json").is_file()
+            after = trainer_request(instance, run_config)
+            assert isinstance(after, dg.SkipReason) and "training finished" in after.skip_message
+    finally:
+        stop_service(paths)

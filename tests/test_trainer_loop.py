@@ -158,7 +158,7 @@ class RecordingHook(TrainerHook):
 def make_config(
     tmp_path: Path,
     *,
-    total_steps: int,
+    total_steps: int | None,
     save_interval: int = 0,
     sync_interval: int = 1,
     save_hf_checkpoint: str = "last",
@@ -335,6 +335,27 @@ def test_end_of_data_stops_early_with_final_save(tmp_path: Path, save_hf: str) -
     assert (state.state, state.step) == ("finished", 3)
     assert state.reason == reason
     assert state.finished(6)
+
+
+def test_without_total_steps_the_loop_trains_until_the_data_ends(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=None, save_interval=2, sync_interval=1)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 5)
+    mark_end_of_data(paths, "explorer-0", "task set used up (buffer.total_epochs)")
+    engine, hook = FakeEngine(), RecordingHook()
+
+    reason = run_trainer(Trainer(config, engine=engine, hook=hook))
+
+    assert reason.startswith(f"{DATA_ENDED} after step 5"), reason
+    assert hook.steps == [1, 2, 3, 4, 5]
+    # saves every 2 steps, then the final blocking one; step 5 was synced before the data ended
+    saves = engine.of_kind("save")
+    assert saves == [("save", 2, False, True, True), ("save", 4, False, True, True)] + [
+        ("save", 5, True, True, False)
+    ], saves
+    assert engine.of_kind("publish")[-1] == ("publish", 5)
+    state = read_trainer_state(paths)
+    assert state is not None and state.finished(None) and state.step == 5
 
 
 def test_end_of_data_at_a_save_step_blocks_once(tmp_path: Path) -> None:

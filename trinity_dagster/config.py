@@ -245,7 +245,12 @@ class OptimConfig(_Section):
 class TrainerConfig(_Section):
     """The training loop: steps, checkpoints, micro-batching, seed."""
 
-    total_steps: int = Field(default=450, ge=1)
+    total_steps: int | None = Field(
+        default=450,
+        ge=1,
+        description="None: train until the data ends (an explorer marks its end, or nothing "
+        "new arrives for buffer.read_timeout_s), as Trinity-RFT does.",
+    )
     save_interval: int = Field(default=100, ge=0, description="0: only the final save.")
     save_hf_checkpoint: Literal["always", "last", "never"] = "last"
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
@@ -508,6 +513,12 @@ class TrinityConfig(_Section):
             self.algorithm.algorithm_type == "sft"
             and "sft_warmup_steps" not in trainer.model_fields_set
         ):
+            if trainer.total_steps is None:
+                raise _at(
+                    "trainer.sft_warmup_steps",
+                    "algorithm_type 'sft' trains sft_warmup_steps steps of demonstrations; "
+                    "set it, or trainer.total_steps",
+                )
             trainer.sft_warmup_steps = trainer.total_steps
         return self
 
@@ -542,6 +553,12 @@ class TrinityConfig(_Section):
                 "trainer.sequence_packing",
                 "packed sequences cannot be split across tensor-parallel ranks; set "
                 "megatron.sequence_parallel false or trainer.sequence_packing false",
+            )
+        if self.trainer.total_steps is None and self.trainer.optim.lr_scheduler == "cosine":
+            raise _at(
+                "trainer.optim.lr_scheduler",
+                "'cosine' decays to min_lr at trainer.total_steps, which is unset (train until "
+                "the data ends); use 'constant' or set trainer.total_steps",
             )
         if self.synchronizer.sync_method in _UNIMPLEMENTED_SYNC_METHODS:
             raise _at(

@@ -64,14 +64,17 @@ def explorer_weights_version(explore_step: int, *, sync_interval: int, sync_offs
     return max(0, (explore_step - 1 - sync_offset) // sync_interval) * sync_interval
 
 
-def explore_steps_needed(config: TrinityConfig) -> int:
-    """Explore steps of the built-in explorer whose experiences fill `trainer.total_steps`.
+def explore_steps_needed(config: TrinityConfig) -> int | None:
+    """Explore steps of the built-in explorer whose experiences fill `trainer.total_steps`
+    (None when it is unset: the explorer goes on until its task set is used up).
 
     Each SFT warm-up step takes one explore step of demonstrations; each RL step takes
     `buffer.train_batch_size` rows, `explorer.tasks_per_step * algorithm.repeat_times` per
     explore step.
     """
     total = config.trainer.total_steps
+    if total is None:
+        return None
     sft = min(config.trainer.sft_warmup_steps, total)
     per_step = config.explorer.tasks_per_step * config.algorithm.repeat_times
     return sft + math.ceil((total - sft) * config.buffer.train_batch_size / per_step)
@@ -79,7 +82,7 @@ def explore_steps_needed(config: TrinityConfig) -> int:
 
 def sft_model_step(config: TrinityConfig) -> int | None:
     """The step whose checkpoint is the SFT model: the warm-up's last step when RL steps follow
-    it (`0 < trainer.sft_warmup_steps < trainer.total_steps`), else None. The trainer saves
-    it and retention keeps it."""
-    warmup = config.trainer.sft_warmup_steps
-    return warmup if 0 < warmup < config.trainer.total_steps else None
+    it (`0 < trainer.sft_warmup_steps < trainer.total_steps`, or any warm-up when
+    `total_steps` is unset), else None. The trainer saves it and retention keeps it."""
+    warmup, total = config.trainer.sft_warmup_steps, config.trainer.total_steps
+    return warmup if warmup > 0 and (total is None or warmup < total) else None

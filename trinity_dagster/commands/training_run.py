@@ -117,13 +117,16 @@ def prepare_instance(config: TrinityConfig) -> Path:
     return config_file
 
 
-def extend_finished_run(paths: RunPaths, total_steps: int) -> bool:
+def extend_finished_run(paths: RunPaths, total_steps: int | None) -> bool:
     """Let a run that stopped before `total_steps` go on: forget its end (state, data end).
 
-    Returns whether there was such an end. A run that reached `total_steps` stays finished.
+    Returns whether there was such an end. A run that reached `total_steps` stays finished,
+    and so does one without `total_steps`, which ends only when its data does.
     """
     state = read_trainer_state(paths)
-    if state is None or state.state != "finished" or state.step >= total_steps:
+    if total_steps is None or state is None or state.state != "finished":
+        return False
+    if state.step >= total_steps:
         return False
     clear_end_of_data(paths)
     state_path(paths).unlink()
@@ -244,7 +247,7 @@ class Progress:
         return lines
 
     def _line(self, asset: str, step: int, meta: dict[str, Any]) -> str:
-        head = f"[{step:>3}/{self.config.trainer.total_steps}]"
+        head = f"[{step:>3}/{self.config.trainer.total_steps or '?'}]"
         if asset == "rollouts":
             kind = "demonstrations" if meta.get("demonstrations") else "rollouts"
             return (
@@ -363,9 +366,8 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     paths = RunPaths.of_config(config)
     total = config.trainer.total_steps
     started = time.perf_counter()
-    print(
-        f"trinity-dagster: training {total} steps under {paths.root} (dagster-daemon)", flush=True
-    )
+    steps = f"{total} steps" if total is not None else "until the data ends"
+    print(f"trinity-dagster: training {steps} under {paths.root} (dagster-daemon)", flush=True)
     instance = dg.DagsterInstance.get()
     progress = Progress(instance, config)
     daemon = start_daemon(paths, workspace_file)

@@ -39,14 +39,18 @@ def build_optimizer(
 
 
 def build_scheduler(
-    optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int
+    optimizer: MegatronOptimizer, optim: OptimConfig, total_steps: int | None
 ) -> OptimizerParamScheduler:
     """The LR schedule, stepped once per train step: constant or cosine, with linear warmup.
 
     Step N trains with the learning rate of schedule position N-1: with warmup W > 0 the rate
     rises linearly from 0 at step 1 to `lr` at step W+1 (the convention of Megatron and HF);
-    cosine then decays to `min_lr` at `total_steps`.
+    cosine then decays to `min_lr` at `total_steps` (which a cosine schedule needs; None:
+    training until the data ends).
     """
+    if optim.lr_scheduler == "cosine" and total_steps is None:
+        raise ValueError("the cosine schedule needs trainer.total_steps")
+    total_steps = total_steps or 0
     if optim.lr_warmup_steps >= max(total_steps, 1) and optim.lr_scheduler == "cosine":
         raise ValueError(
             f"trainer.optim.lr_warmup_steps ({optim.lr_warmup_steps}) must be smaller than "

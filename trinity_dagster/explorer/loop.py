@@ -75,11 +75,13 @@ class ExplorerLoop:
         )
         self._started_at = time.time()
 
-    def run(self, first: int, last: int, done: Collection[int] = ()) -> str:
-        """Explore steps `first..last`, skipping those in `done`; returns why it stopped."""
+    def run(self, first: int, last: int | None, done: Collection[int] = ()) -> str:
+        """Explore steps `first..last` (None: until the task set is used up or the trainer
+        finished), skipping those in `done`; returns why it stopped."""
         needed = explore_steps_needed(self.config)
         available = self.explorer.steps_available()
-        for step in range(first, last + 1):
+        steps = itertools.count(first) if last is None else range(first, last + 1)
+        for step in steps:
             if step in done:
                 continue
             if available is not None and step > available:
@@ -92,7 +94,8 @@ class ExplorerLoop:
             stopped = self.explore_step(step)
             if stopped is not None:
                 return stopped
-        if last >= needed:
+        assert last is not None  # an open-ended loop ends only inside
+        if needed is not None and last >= needed:
             reason = f"explored all {needed} steps that trainer.total_steps needs"
             mark_end_of_data(self.paths, self.explorer_id, reason)
             return reason
@@ -199,6 +202,7 @@ class ExplorerLoop:
     def _finished_now(self, step: int) -> bool:
         """A finished state counts unless it is left from a shorter run on this root."""
         state = read_trainer_state(self.paths)
+        total = self.config.trainer.total_steps
         return state is not None and (
-            state.updated_at >= self._started_at or step >= self.config.trainer.total_steps
+            state.updated_at >= self._started_at or (total is not None and step >= total)
         )

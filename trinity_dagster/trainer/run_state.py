@@ -50,11 +50,12 @@ class TrainerState:
         except psutil.NoSuchProcess:
             return False
 
-    def finished(self, total_steps: int) -> bool:
-        """Whether training of a run with `total_steps` is over (all steps, data ended, or
-        stopped by a user's request)."""
+    def finished(self, total_steps: int | None) -> bool:
+        """Whether training of a run with `total_steps` (None: until the data ends) is over:
+        all steps trained, the data ended, or a user's request stopped it."""
+        reached = total_steps is not None and self.step >= total_steps
         return self.state == "finished" and (
-            self.step >= total_steps or self.reason.startswith((DATA_ENDED, STOPPED))
+            reached or self.reason.startswith((DATA_ENDED, STOPPED))
         )
 
 

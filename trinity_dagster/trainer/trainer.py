@@ -141,9 +141,11 @@ class Trainer:
         """Train until `trainer.total_steps` (or `last_step`) or the end of data.
 
         Returns why it stopped. Reaching `total_steps` or the end of data ends with the
-        final blocking save; stopping at `last_step` (a range of steps) does not.
+        final blocking save; stopping at `last_step` (a range of steps) does not. With
+        `total_steps` unset only the end of data (or a stop request) ends training.
         """
-        end = self.total_steps if last_step is None else min(last_step, self.total_steps)
+        ends = [n for n in (self.total_steps, last_step) if n is not None]
+        end = min(ends) if ends else None
         self._halt = None
         try:
             reason, final = await self._loop(end)
@@ -174,11 +176,12 @@ class Trainer:
         answer_requests(self._requests())  # no newer weights will come
         write_trainer_state(self.paths, "finished", self.train_step_num, reason)
 
-    async def _loop(self, end: int) -> tuple[str, bool]:
-        """Train up to step `end`; returns (why it stopped, whether a final save is due)."""
+    async def _loop(self, end: int | None) -> tuple[str, bool]:
+        """Train up to step `end` (None: no limit); returns (why it stopped, whether a final
+        save is due)."""
         # a save or sync owed by the step an earlier (killed) run trained
         await self._finish_step(final=self.train_step_num == self.total_steps)
-        while self.train_step_num < end:
+        while end is None or self.train_step_num < end:
             if (halt := self._serve_control()) is not None:
                 return halt
             metrics: dict[str, Any] = {}
@@ -199,8 +202,8 @@ class Trainer:
             self.hook.on_batch(step, batch)
             self.hook.on_step(step, self._last_record, metrics)
             self.monitor.log(step, metrics)
-        if end == self.total_steps:
-            return f"trained all {self.total_steps} steps (trainer.total_steps)", True
+        if end is not None and end == self.total_steps:
+            return f"trained all {end} steps (trainer.total_steps)", True
         return f"trained up to step {end}, the end of the requested range", False
 
     async def _finish_step(self, *, final: bool) -> dict[str, Any]:
@@ -391,11 +394,13 @@ class Trainer:
         """Save or sync the current step for a run that asked; a request for a later step
         waits for it, one for a step that is gone is refused with what is still possible."""
         assert request.step is not None
-        step, now = request.step, self.train_step_num
-        if now < step <= self.total_steps or not control.claim(self.paths, request):
+        step, now, total = request.step, self.train_step_num, self.total_steps
+        if (now < step and (total is None or step <= total)) or not control.claim(
+            self.paths, request
+        ):
             return
         try:
-            if step > self.total_steps:
+            if total is not None and step > total:
                 raise ValueError(
                     f"training ends at step {self.total_steps} (trainer.total_steps), "
                     f"before step {step}"
