@@ -568,9 +568,22 @@ def test_withheld_sync_by_a_save_serving_as_sync(tmp_path: Path) -> None:
     with pytest.raises(SyncWithheldError, match="step 2"):
         run_trainer(Trainer(config, engine=engine))
 
-    assert engine.events == [("train", 1), ("train", 2)]  # the serving save is not made
+    # the checkpoint is written and kept, but it does not serve as the sync
+    assert engine.events == [("train", 1), ("train", 2), ("save", 2, False, False, False)]
     state = read_trainer_state(RunPaths.of(config.run_root))
     assert state is not None and state.state == "failed" and "loss is inf" in state.reason
+
+
+def test_the_final_checkpoint_is_kept_when_its_weights_are_withheld(tmp_path: Path) -> None:
+    config = make_config(tmp_path, total_steps=2, save_interval=0, sync_interval=1)
+    fill_buffer(config, 2)
+    engine = FakeEngine(health_problems={2: ["actor/ppo_kl=9 outside [-1, 1]"]})
+
+    with pytest.raises(SyncWithheldError, match="step 2"):
+        run_trainer(Trainer(config, engine=engine))
+
+    assert engine.of_kind("save") == [("save", 2, True, True, False)], "kept, not published"
+    assert engine.of_kind("publish") == [("publish", 1)]
 
 
 def test_health_problems_off_sync_steps_do_not_stop_training(tmp_path: Path) -> None:

@@ -214,6 +214,7 @@ class EngineHost:
             pass
         else:
             if (latest_weights_version(self.paths) or 0) < step:  # a checkpoint's export
+                self._refuse_withheld(step)  # a kept checkpoint of withheld weights
                 self._record_sync_from_checkpoint(step)
             return info
         self._refuse_withheld(step)

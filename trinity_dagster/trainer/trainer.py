@@ -130,12 +130,20 @@ class Trainer:
         write_trainer_state(self.paths, "running", self.train_step_num)
 
     async def run(self, last_step: int | None = None) -> str:
-        """`prepare()`, `train(last_step)`, `shutdown()`; returns why training stopped."""
+        """`prepare()`, `train(last_step)`, `shutdown()`; returns why training stopped.
+
+        An engine service that `prepare` started is stopped at the end, also after a failure
+        (one that was running before is left running).
+        """
         try:
             await self.prepare()
             return await self.train(last_step)
         finally:
-            await self.shutdown()
+            try:
+                await self.shutdown()
+            finally:
+                if self.engine.started_engine():
+                    self.engine.stop_engine()
 
     async def train(self, last_step: int | None = None) -> str:
         """Train until `trainer.total_steps` (or `last_step`) or the end of data.
@@ -317,20 +325,25 @@ class Trainer:
         """Save a full checkpoint of the current step; only a blocking one waits for it.
 
         Under sync_method `checkpoint`, a save at a step whose sync is due serves as the
-        sync: its HF export becomes the published weights, written once.
+        sync: its HF export becomes the published weights, written once. If the step's
+        weights are withheld from explorers (failed health checks), the checkpoint is still
+        written and kept, but not published, and `SyncWithheldError` stops training.
         """
         metrics: dict[str, Any] = {}
-        if self.train_step_num == 0:
+        step = self.train_step_num
+        if step == 0:
             return metrics
         serves = self._checkpoint_sync() and self._sync_due(self._requests())
-        if serves:
-            self._refuse_withheld(self.train_step_num)
+        withheld = self._health_problems(step) if serves else []
+        serves = serves and not withheld
         with timer(metrics, "time/save_checkpoint"):
             self.engine.save_checkpoint(
                 block_until_saved=block_until_saved,
                 save_as_hf=save_as_hf or serves,
                 serves_as_sync=serves,
             )
+        if withheld:
+            raise SyncWithheldError(step, withheld)
         if serves:
             self.last_sync_step = self.train_step_num
             answer_requests(self._requests())
@@ -470,6 +483,13 @@ class Trainer:
         )
 
     def _refuse_withheld(self, step: int) -> None:
+        problems = self._health_problems(step)
+        if problems:
+            raise SyncWithheldError(step, problems)
+
+    def _health_problems(self, step: int) -> list[str]:
+        """Why step N's weights must not reach explorers (empty: they may)."""
         record = self._last_record
-        if record is not None and record["step"] == step and record["health_problems"]:
-            raise SyncWithheldError(step, record["health_problems"])
+        if record is None or record["step"] != step:
+            return []
+        return list(record["health_problems"])
