@@ -44,7 +44,7 @@ from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.dagster_instance import instance_yaml
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.service.launcher import find_service, stop_service
 from trinity_dagster.trainer import Trainer
 from trinity_dagster.trainer.run_state import STOPPED, read_trainer_state
 
@@ -461,6 +461,7 @@ def assert_same_weights_as_uninterrupted(s: Steering) -> None:
     ref_paths = RunPaths.of(root)
     try:
         reason = asyncio.run(Trainer(load_config(file)).run())
+        assert find_service(ref_paths) is None, "Trainer.run() stops the engine it started"
     finally:
         stop_service(ref_paths)
     assert reason.startswith(f"trained all {STOP_AT} steps"), reason

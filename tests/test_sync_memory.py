@@ -36,7 +36,7 @@ from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.explorer.loop import ExplorerLoop
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.service.launcher import start_service, stop_service
 from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.trainer import Trainer
 
@@ -183,6 +183,7 @@ def test_a_run_with_memory_sync_trains_to_the_end(
     explorer = threading.Thread(target=explore)
     explorer.start()
     try:
+        start_service(config)  # started here, so run() leaves it (and its shared memory) up
         reason = asyncio.run(Trainer(config).run())
         shm_held = shm_versions(paths)
     finally:

@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 
 from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient, EngineUnreachable
-from trinity_dagster.service.launcher import connect
+from trinity_dagster.service.launcher import connect, find_service, stop_service
+from trinity_dagster.service.state import ServiceState
 
 T = TypeVar("T")
 POLL_S = 0.2
@@ -69,6 +71,13 @@ class TrainEngineWrapper(ABC):
     def close(self) -> None:
         """Release connections (the engine itself keeps running)."""
 
+    def started_engine(self) -> bool:
+        """Whether `prepare` started the engine (rather than finding one running)."""
+        return False
+
+    def stop_engine(self) -> None:  # noqa: B027 - optional: only engines prepare starts
+        """Stop the engine (after `close`); engines that `prepare` does not start need not."""
+
 
 class ServiceEngineWrapper(TrainEngineWrapper):
     """The Megatron-core engine service of the run, through its control API.
@@ -84,9 +93,20 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         self._client: EngineClient | None = None
         self._step = 0
         self._last_sync_step = 0
+        self._started = False
 
     def prepare(self) -> None:
+        if self._client is None and self.autostart:
+            self._started = not isinstance(
+                find_service(RunPaths.of_config(self.config)), ServiceState
+            )
         self.refresh()
+
+    def started_engine(self) -> bool:
+        return self._started
+
+    def stop_engine(self) -> None:
+        stop_service(RunPaths.of_config(self.config))
 
     def refresh(self) -> dict[str, Any]:
         """Read the engine's status (step, weights version, pending saves)."""
