@@ -144,15 +144,16 @@ def wait_for_answer(
     loop_alive: Callable[[], bool],
     timeout_s: float,
 ) -> dict[str, Any] | None:
-    """The loop's answer to `request`; None if no loop is alive and the request was claimed
-    back (the caller then serves it itself). Raises TimeoutError after `timeout_s`."""
+    """The loop's answer to `request`; None if no loop is alive to give one (the caller then
+    serves the request itself). Raises TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = read_answer(paths, request.request_id)
         if found is not None:
             return found
-        if not loop_alive() and claim(paths, request):
-            return None
+        if not loop_alive():
+            claim(paths, request)  # taken back, unless a loop that has ended took it
+            return read_answer(paths, request.request_id)  # answered as it ended?
         if time.monotonic() > deadline:
             forget(paths, request.request_id)
             raise TimeoutError(

@@ -170,7 +170,10 @@ class Trainer:
         except Exception as err:  # an interrupted loop (killed, cancelled) resumes: no state
             why = f"{type(err).__name__}: {err}"
             write_trainer_state(self.paths, "failed", self.train_step_num, why)
-            self._refuse_open_requests(f"training failed at step {self.train_step_num}: {why}")
+            failed = f"training failed at step {self.train_step_num}: {why}"
+            self._refuse_open_requests(failed)
+            if self._halt is not None:
+                control.answer(self.paths, self._halt, ok=False, message=failed)
             raise
         log.info("trainer stopped at step %d: %s", self.train_step_num, reason)
         return reason
