@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import stat
@@ -20,6 +21,8 @@ from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_
 from trinity_dagster.checkpoint.manifest import read_manifest, verify_checkpoint
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient, EngineError
+from trinity_dagster.service.faults import ENV as FAULT_ENV
+from trinity_dagster.service.faults import Fault, fired_path, parse_fault
 from trinity_dagster.service.launcher import connect, live_service, stop_service
 from trinity_dagster.service.server import check_bind_host
 from trinity_dagster.service.state import (
@@ -28,6 +31,11 @@ from trinity_dagster.service.state import (
     read_token,
     token_path,
     write_state,
+)
+from trinity_dagster.trainer.engine_wrapper import (
+    PROGRESS_TIMEOUT_ENV,
+    PROGRESS_TIMEOUT_S,
+    progress_timeout_s,
 )
 
 
@@ -284,3 +292,55 @@ def test_next_step_trains_while_the_previous_save_is_written(service) -> None:
     manifest = read_manifest(paths.checkpoints / "global_step_2")
     completed = datetime.fromisoformat(manifest.created_at).timestamp()
     assert third["started_at"] < completed, (third["started_at"], manifest.created_at)
+
+
+def test_a_fault_spec_names_a_window_an_optional_step_and_mode() -> None:
+    assert parse_fault("") is None
+    assert parse_fault("weights_renamed") == Fault("weights_renamed", None, "kill")
+    assert parse_fault("train_forward:3:hang") == Fault("train_forward", 3, "hang")
+    assert parse_fault("shm_upload:hang") == Fault("shm_upload", None, "hang")
+    assert Fault("optimizer_step", 2, "kill").matches("optimizer_step", 2)
+    assert not Fault("optimizer_step", 2, "kill").matches("optimizer_step", 3)
+    for bad in ("nowhere:1", "train_forward:x", "train_forward:1:2"):
+        with pytest.raises(ValueError, match=f"{FAULT_ENV}={bad!r}"):
+            parse_fault(bad)
+
+
+ARMED_FAULT = """
+import sys
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service import faults
+print(faults.arm(RunPaths.of(sys.argv[1]), rank=int(sys.argv[2])), flush=True)
+faults.fault_point("weights_publish", 2)
+faults.fault_point("weights_publish", 3)
+print("alive", flush=True)
+"""
+
+
+def test_an_armed_fault_kills_rank_0_once_per_run_root(tmp_path: Path) -> None:
+    env = {**os.environ, FAULT_ENV: "weights_publish:3"}
+
+    def run(rank: int) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", ARMED_FAULT, str(tmp_path), str(rank)]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    other_rank = run(1)
+    assert other_rank.returncode == 0 and other_rank.stdout.split() == ["None", "alive"]
+    killed = run(0)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert "alive" not in killed.stdout
+    fired = json.loads(fired_path(RunPaths.of(tmp_path)).read_text())
+    assert (fired["window"], fired["step"], fired["mode"]) == ("weights_publish", 3, "kill")
+    restarted = run(0)  # the fault fired for this run root: not armed again
+    assert restarted.returncode == 0 and restarted.stdout.split() == ["None", "alive"]
+
+
+def test_the_progress_bound_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PROGRESS_TIMEOUT_ENV, raising=False)
+    assert progress_timeout_s() == PROGRESS_TIMEOUT_S
+    monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, "7.5")
+    assert progress_timeout_s() == 7.5
+    for bad in ("0", "-3", "soon"):
+        monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{PROGRESS_TIMEOUT_ENV}={bad!r}"):
+            progress_timeout_s()

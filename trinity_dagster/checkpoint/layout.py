@@ -130,6 +130,13 @@ def set_latest_checkpoint_step(paths: RunPaths, step: int) -> None:
     write_text_atomic(paths.checkpoints / LATEST_CHECKPOINT_FILE, f"{step}\n")
 
 
+def advance_checkpoint_marker(paths: RunPaths, step: int) -> None:
+    """Move the checkpoint marker forward to `step` (never backwards; once its manifest exists)."""
+    current = latest_checkpoint_step(paths)
+    if current is None or step > current:
+        set_latest_checkpoint_step(paths, step)
+
+
 def set_latest_weights_version(paths: RunPaths, version: int) -> None:
     """Move the published-weights marker to `version` (call only once its files are complete)."""
     write_text_atomic(paths.checkpoints / LATEST_WEIGHTS_FILE, f"{version}\n")

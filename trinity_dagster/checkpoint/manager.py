@@ -45,6 +45,7 @@ from trinity_dagster.checkpoint.rules import sft_model_step
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.faults import fault_point
 from trinity_dagster.trainer.checkpoint_monitor import CheckpointMonitor
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,7 @@ class CheckpointManager:
             if hf:
                 self.provider.export_hf(ticket.tmp_dir / HF_SUBDIR)
             ticket.handle = self.provider.save_state(ticket.tmp_dir, background=not block)
+            fault_point("checkpoint_write", step)
         except BaseException:
             if self.writer:
                 shutil.rmtree(ticket.tmp_dir, ignore_errors=True)
@@ -356,6 +358,7 @@ class CheckpointManager:
             discard_dir(final, ticket.step)
         os.rename(ticket.tmp_dir, final)
         fsync_dir(final.parent)
+        fault_point("checkpoint_renamed", ticket.step)
         self._hashed.add(final)
         ticket.manifest = manifest
         log.info("checkpoint of step %d complete at %s", ticket.step, final)

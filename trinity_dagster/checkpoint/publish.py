@@ -30,6 +30,7 @@ from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.checkpoint.weights_holds import held_versions
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.faults import fault_point
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -64,6 +65,7 @@ def publish_weights(
     tmp = scratch_dir(target.parent, step)
     try:
         write_hf_dir(tmp, tensors, hf_config, source_dir)
+        fault_point("weights_publish", step)
         if target.exists():
             discard_dir(target, step)
         os.rename(tmp, target)
@@ -71,6 +73,7 @@ def publish_weights(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(target.parent)
+    fault_point("weights_renamed", step)
     advance_weights_marker(paths, step)
     log.info("published weights version %d at %s", step, target)
     return target

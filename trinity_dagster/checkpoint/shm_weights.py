@@ -31,6 +31,7 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.files import write_file_atomic, write_text_atomic
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.faults import fault_point
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -88,7 +89,7 @@ def write_shm_weights(paths: RunPaths, version: int, tensors: Mapping[str, Tenso
         raise ValueError(f"weights version must be >= 0, got {version}")
     header, size = _header(version, tensors)
     target = region_path(paths, version)
-    write_file_atomic(target, lambda tmp: _write_region(tmp, header, tensors, size))
+    write_file_atomic(target, lambda tmp: _write_and_check(tmp, header, tensors, size))
     current = latest_shm_version(paths)
     if current is None or version > current:
         write_text_atomic(shm_dir(paths) / LATEST_WEIGHTS_FILE, f"{version}\n")
@@ -156,6 +157,14 @@ def _header(version: int, tensors: Mapping[str, Tensor]) -> tuple[dict[str, Any]
         }
         offset = _aligned(offset + nbytes)
     return {"version": version, "tensors": entries}, offset
+
+
+def _write_and_check(
+    path: Path, header: dict[str, Any], tensors: Mapping[str, Tensor], size: int
+) -> None:
+    """`_write_region`, then the `shm_upload` fault window (written, not renamed)."""
+    _write_region(path, header, tensors, size)
+    fault_point("shm_upload", header["version"])
 
 
 def _write_region(

@@ -9,6 +9,9 @@ Order rules for `train_step(N)` with the engine at step S:
 - N > S + 1: allowed only if steps S+1..N-1 were trained before (their records exist, as
   after a crash and a restart from an older checkpoint): they are replayed from their pinned
   batches first and reported in `replayed`; otherwise refused, naming the steps.
+`save_checkpoint(N)`, `sync_weight(N)` and `upload_weights(N)` with nothing of step N on
+disk and the engine behind N replay the recorded steps up to N the same way first, so a
+command repeated after a crash gives the result it would have given without it.
 Training a step does not save or sync: the trainer loop (`trinity_dagster.trainer.Trainer`)
 decides that and sends `save_checkpoint` and `sync_weight` for the step the engine is at.
 A step's record lists the health problems (`step_checks`) that keep its weights from
@@ -18,6 +21,7 @@ explorers; `sync_weight` refuses such a step, and so does a save that would serv
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,13 +32,21 @@ import torch.distributed as dist
 from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
 from trinity_dagster.buffer.sampler import sampler_state
 from trinity_dagster.checkpoint.layout import (
+    advance_checkpoint_marker,
     checkpoint_dir,
     latest_weights_version,
+    published_weights_dir,
+    scan_step_dirs,
     weights_dir,
 )
 from trinity_dagster.checkpoint.manager import CheckpointManager
-from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
+from trinity_dagster.checkpoint.manifest import (
+    CorruptCheckpointError,
+    read_manifest,
+    verify_checkpoint,
+)
 from trinity_dagster.checkpoint.publish import (
+    advance_weights_marker,
     prune_published,
     publish_weights,
     record_sync_from_checkpoint,
@@ -51,6 +63,8 @@ from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import TrainEngine
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service import faults
+from trinity_dagster.service.progress import install_progress_hooks
 from trinity_dagster.service.protocol import BadRequestError, StepConflictError
 from trinity_dagster.service.records import (
     read_record,
@@ -70,12 +84,18 @@ class EngineHost:
         self.config = config
         self.paths = paths
         self.started_at = time.time()
+        self.progress_at = time.monotonic()
+        self._training_step: int | None = None
         initial = self._initial_weights()
         self.engine = TrainEngine(config, initial)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        faults.arm(paths, self.rank)
+        install_progress_hooks(self.engine, self._progress)
         self.checkpoints = CheckpointManager(config, paths, self.engine)
         self.resumed_from = self.checkpoints.resume()
+        if self.rank == 0 and self.resumed_from is not None:
+            self._finish_install(self.resumed_from)
         self.save_error: str | None = None
         version = newest_weights_version(paths, memory=self._memory_sync())
         self.last_sync_step = 0 if version is None else version
@@ -114,8 +134,15 @@ class EngineHost:
         self._refresh_status()
 
     def status(self) -> dict[str, Any]:
-        """A snapshot of the engine's state, safe to read from any thread."""
-        return dict(self._status)
+        """A snapshot of the engine's state, safe to read from any thread.
+
+        While a step trains, `training_step` names it and `since_progress_s` is the time
+        since it last made progress (its start, a layer's forward or gradient, the optimizer
+        step); otherwise both are None.
+        """
+        training = self._training_step  # read first: progress_at is set before it
+        since = None if training is None else time.monotonic() - self.progress_at
+        return {**self._status, "training_step": training, "since_progress_s": since}
 
     def close(self) -> None:
         """Wait for pending saves, then release the engine and the shared-memory weights."""
@@ -136,9 +163,10 @@ class EngineHost:
         }
         if op not in handlers:
             raise BadRequestError(f"unknown command {op!r}; known: {', '.join(handlers)}")
-        result = handlers[op](**args)
-        self._refresh_status()
-        return result
+        try:
+            return handlers[op](**args)
+        finally:
+            self._refresh_status()
 
     # --- commands ---------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, Any]:
@@ -152,16 +180,7 @@ class EngineHost:
                     f"at {record_path(self.paths, step)}"
                 )
             return {**record, "already_trained": True, "replayed": []}
-        missing = unrecorded_span(self.paths, current + 1, step - 1)
-        if missing is not None:
-            raise StepConflictError(
-                f"cannot train step {step}: the engine is at step {current} and steps "
-                f"{missing[0]}..{missing[1]} have not been trained; train them first"
-            )
-        replayed = list(range(current + 1, step))
-        for earlier in replayed:
-            log.info("replaying step %d from its pinned batch", earlier)
-            self._train(earlier)
+        replayed = self._replay_up_to(step - 1, f"cannot train step {step}")
         return {**self._train(step), "already_trained": False, "replayed": replayed}
 
     def save_checkpoint(
@@ -189,6 +208,7 @@ class EngineHost:
             if serves_as_sync and has_hf and self.last_sync_step < step:
                 self._record_sync_from_checkpoint(step)
             return self._checkpoint_info(step, pending=False)
+        self._replay_up_to(step, f"cannot save checkpoint of step {step}")
         if self.engine.step != step:
             raise StepConflictError(
                 f"no complete checkpoint of step {step} exists and the engine is at step "
@@ -213,11 +233,12 @@ class EngineHost:
         except FileNotFoundError:
             pass
         else:
-            if (latest_weights_version(self.paths) or 0) < step:  # a checkpoint's export
+            if (latest_weights_version(self.paths) or 0) < step:
                 self._refuse_withheld(step)  # a kept checkpoint of withheld weights
-                self._record_sync_from_checkpoint(step)
+                self._mark_published(step)
             return info
         self._refuse_withheld(step)
+        self._replay_up_to(step, f"cannot publish weights of step {step}")
         if self.engine.step != step:
             raise StepConflictError(
                 f"weights of step {step} were never published and the engine is at step "
@@ -232,6 +253,7 @@ class EngineHost:
         if step in shm_versions(self.paths):
             return self._shm_info(step)
         self._refuse_withheld(step)
+        self._replay_up_to(step, f"cannot upload weights of step {step}")
         if self.engine.step != step:
             raise StepConflictError(
                 f"weights of step {step} are not in shared memory and the engine is at step "
@@ -246,6 +268,47 @@ class EngineHost:
         return self._shm_info(step)
 
     # --- internals --------------------------------------------------------------------
+    def _replay_up_to(self, step: int, refusal: str) -> list[int]:
+        """Replay the recorded steps after the engine's step up to `step` from their pinned
+        batches (the engine resumed from an older checkpoint); returns the steps replayed.
+
+        Raises `StepConflictError` starting with `refusal` if one of them was never trained.
+        """
+        current = self.engine.step
+        missing = unrecorded_span(self.paths, current + 1, step)
+        if missing is not None:
+            raise StepConflictError(
+                f"{refusal}: the engine is at step {current} and steps "
+                f"{missing[0]}..{missing[1]} have not been trained; train them first"
+            )
+        replayed = list(range(current + 1, step + 1))
+        for earlier in replayed:
+            log.info("replaying step %d from its pinned batch", earlier)
+            self._train(earlier)
+        return replayed
+
+    def _finish_install(self, step: int) -> None:
+        """Move the markers to checkpoint `step` (the newest complete one) if a crash
+        between its rename and the markers left them behind."""
+        advance_checkpoint_marker(self.paths, step)
+        if read_manifest(checkpoint_dir(self.paths, step)).serves_as_sync:
+            advance_weights_marker(self.paths, step)
+
+    def _mark_published(self, step: int) -> None:
+        """Move the weights marker to version N, whose files exist: sync-only weights whose
+        publish a crash interrupted before the marker, or a checkpoint's HF export."""
+        if self.rank == 0:
+            if (published_weights_dir(self.paths, step) / "config.json").is_file():
+                advance_weights_marker(self.paths, step)
+            else:
+                record_sync_from_checkpoint(self.paths, step)
+        self.last_sync_step = step
+
+    def _progress(self, window: str) -> None:
+        """A train step made progress at `window` (where an armed fault may fire)."""
+        self.progress_at = time.monotonic()
+        faults.fault_point(window, self._training_step)
+
     def _refuse_withheld(self, step: int) -> None:
         """Raise if step N's record says its weights must not reach explorers."""
         record = read_record(self.paths, step)
@@ -270,10 +333,14 @@ class EngineHost:
                 f"{err}; materialize experience_batch for step {step} first"
             ) from err
         read_s = time.perf_counter() - started
+        self.progress_at = time.monotonic()
+        self._training_step = step
         try:
             metrics = self.engine.train_step(step, to_tensors(table))
         except BatchError as err:
             raise BadRequestError(f"batch of step {step} refused: {err}") from err
+        finally:
+            self._training_step = None
         metrics["time/load_batch"] = read_s
         problems = sync_blockers(metrics, self.config.algorithm.kl_bound)
         if problems:
@@ -300,11 +367,20 @@ class EngineHost:
     def _publish(self, step: int) -> None:
         tensors = self.engine.hf_state_dict()
         if self.rank == 0:
+            self._discard_abandoned_publish(step)
             publish_weights(self.paths, step, tensors, self.engine.hf_config, self.engine.hf_dir)
             prune_published(self.paths, keep=self.config.synchronizer.keep_synced_weights)
         self.last_sync_step = step
         if self.world_size > 1:
             dist.barrier()
+
+    def _discard_abandoned_publish(self, step: int) -> None:
+        """Remove the temp directories of weights version N that a crash left behind (the
+        service is their only writer)."""
+        for entry in scan_step_dirs(self.paths.weights):
+            if entry.step == step and entry.kind == "tmp":
+                log.info("removing %s, an interrupted publish of version %d", entry.path, step)
+                shutil.rmtree(entry.path)
 
     def _checkpoint_info(self, step: int, *, pending: bool) -> dict[str, Any]:
         ckpt = checkpoint_dir(self.paths, step)

@@ -9,20 +9,48 @@ the ABC. No torch here.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import EngineClient, EngineUnreachable
-from trinity_dagster.service.launcher import connect, find_service, stop_service
-from trinity_dagster.service.state import ServiceState
+from trinity_dagster.service.client import EngineClient, EngineError, EngineUnreachable
+from trinity_dagster.service.launcher import (
+    SILENT_AFTER_S,
+    SilentService,
+    connect,
+    find_service,
+    replace_silent,
+    stop_service,
+)
+from trinity_dagster.service.state import ServiceState, read_token
 
 T = TypeVar("T")
 POLL_S = 0.2
+PROGRESS_TIMEOUT_ENV = "TRINITY_DAGSTER_PROGRESS_TIMEOUT_S"
+PROGRESS_TIMEOUT_S = 600.0  # a train step with no layer forward, gradient or optimizer step
+
+log = logging.getLogger(__name__)
+
+
+def progress_timeout_s() -> float:
+    """How long a train step may go without progress before its service counts as hung
+    (`TRINITY_DAGSTER_PROGRESS_TIMEOUT_S`, default `PROGRESS_TIMEOUT_S`)."""
+    text = os.environ.get(PROGRESS_TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else PROGRESS_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{PROGRESS_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
+    return value
 
 
 class TrainEngineWrapper(ABC):
@@ -84,7 +112,10 @@ class ServiceEngineWrapper(TrainEngineWrapper):
 
     If the service dies during a call (a crash, kill -9), it is started again (it resumes
     from the newest complete checkpoint and replays recorded steps) and the call is repeated
-    once. Engine errors raise `EngineError` with the engine's message and traceback.
+    once. A `train_step` is watched while it runs: a service whose step makes no progress for
+    `progress_timeout_s()`, or whose rank 0 does not answer `status` within `SILENT_AFTER_S`,
+    is killed, and the step goes the same way. Engine errors raise `EngineError` with the
+    engine's message and traceback.
     """
 
     def __init__(self, config: TrinityConfig, *, autostart: bool = True) -> None:
@@ -94,6 +125,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         self._step = 0
         self._last_sync_step = 0
         self._started = False
+        self.progress_timeout_s = progress_timeout_s()
 
     def prepare(self) -> None:
         if self._client is None and self.autostart:
@@ -124,7 +156,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         return self._last_sync_step
 
     def train_step(self, batch: PinResult) -> dict[str, Any]:
-        record = self._call(lambda c: c.train_step(batch.step))
+        record = self._call(lambda c: c.train_step(batch.step), watched=True)
         self._step = max(self._step, batch.step)
         return record
 
@@ -177,16 +209,62 @@ class ServiceEngineWrapper(TrainEngineWrapper):
             self._client = connect(self.config, autostart=autostart)
         return self._client
 
-    def _call(self, call: Callable[[EngineClient], T]) -> T:
+    def _call(self, call: Callable[[EngineClient], T], *, watched: bool = False) -> T:
+        run = self._watched if watched else _plain
         try:
-            return call(self._connected(autostart=self.autostart))
+            return run(call, self._connected(autostart=self.autostart))
         except EngineUnreachable:
             if not self.autostart:
                 raise
         # the service died mid-call: start it again (it resumes from the newest complete
         # checkpoint and replays recorded steps) and repeat the call once
         self.close()
-        return call(self._connected(autostart=True))
+        return run(call, self._connected(autostart=True))
+
+    def _watched(self, call: Callable[[EngineClient], T], client: EngineClient) -> T:
+        """`call(client)`, while checking every few seconds that the service makes progress;
+        a hung service is killed, so that the call fails with `EngineUnreachable`."""
+        every_s = min(5.0, self.progress_timeout_s / 4)
+        with ThreadPoolExecutor(1, thread_name_prefix="engine-call") as pool:
+            future = pool.submit(call, client)
+            while True:
+                try:
+                    return future.result(timeout=every_s)
+                except FutureTimeout:
+                    self._kill_if_hung()
+
+    def _kill_if_hung(self) -> None:
+        """SIGKILL the run's service if it is silent or its train step makes no progress."""
+        paths = RunPaths.of_config(self.config)
+        found = find_service(paths)
+        if isinstance(found, ServiceState):
+            reason = self._stalled(found, paths)
+            if reason is None:
+                return
+            found = SilentService(found, reason)
+        if isinstance(found, SilentService):
+            killed = replace_silent(paths, found)
+            log.warning(
+                "killed the hung engine service of %s (%s): pids %s",
+                paths.root,
+                found.reason,
+                killed,
+            )
+
+    def _stalled(self, state: ServiceState, paths: RunPaths) -> str | None:
+        """Why the service's train step counts as hung, or None while it makes progress."""
+        try:
+            with EngineClient(state.url, read_token(paths), timeout_s=SILENT_AFTER_S) as c:
+                status = c.status()
+        except (EngineUnreachable, EngineError, OSError):
+            return None  # gone or going: the call in flight fails by itself
+        since = status.get("since_progress_s")
+        if since is None or since <= self.progress_timeout_s:
+            return None
+        return (
+            f"its train step {status['training_step']} made no progress for {since:.0f} s "
+            f"(more than {PROGRESS_TIMEOUT_ENV}={self.progress_timeout_s:g})"
+        )
 
     def _until_done(self, call: Callable[[EngineClient], dict[str, Any]]) -> dict[str, Any]:
         deadline = time.monotonic() + self.config.service.request_timeout_s
@@ -197,6 +275,10 @@ class ServiceEngineWrapper(TrainEngineWrapper):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"still pending after service.request_timeout_s: {result}")
             time.sleep(POLL_S)
+
+
+def _plain(call: Callable[[EngineClient], T], client: EngineClient) -> T:
+    return call(client)
 
 
 def get_trainer_wrapper(config: TrinityConfig) -> TrainEngineWrapper:
