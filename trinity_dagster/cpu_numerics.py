@@ -5,9 +5,10 @@ kernels round differently, so a training on CPU ends with other weights on anoth
 processor from the same seed. The demo's GRPO samples at temperature 1 and amplifies such
 last-bit differences: with the same seed and code, held-out accuracy ended at 0.20 with the
 AVX-512 kernels of one machine and at 0.38 with the AVX2 kernels. `trinity-dagster run` and
-`demo` therefore ask for the AVX2 paths, which every x86-64 server processor of the last
-decade has, before they start anything: a seed then gives the same run on any of them. A
-value already in the environment wins; other architectures are left alone.
+`demo` therefore ask for the AVX2 paths before they start anything. Every x86-64 server
+processor of the last decade has them, so a seed should give the same run on any of them
+(MKL guarantees it for its routines under `MKL_CBWR`). A value already in the environment
+wins; other architectures are left alone.
 """
 
 from __future__ import annotations
