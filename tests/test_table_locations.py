@@ -18,7 +18,8 @@ from trinity_dagster.buffer import ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.buffer.maintenance import compact
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.stats import table_stats
-from trinity_dagster.buffer.tables import has_commit_after
+from trinity_dagster.buffer.tables import has_commit_after, open_or_create
+from trinity_dagster.buffer.validation import INPUT_SCHEMA
 from trinity_dagster.config import ConfigError, load_config
 from trinity_dagster.paths import RunPaths, join_location, local_path, uri_scheme
 
@@ -151,12 +152,16 @@ UNADDRESSABLE_NAMES = {
 def test_a_root_delta_lake_cannot_address_is_refused_before_anything_is_written(tmp_path, case):
     name, shown = UNADDRESSABLE_NAMES[case]
     root = tmp_path / name / "run"
-    config = make_config(root)
-    refused = rf"contains {re.escape(shown)}, which Delta Lake cannot address.*run_root"
+    # the configuration names the key at once, in one line per problem
+    with pytest.raises(
+        ConfigError, match=rf"run_root: .* contains {re.escape(shown)}, which Delta"
+    ):
+        make_config(root)
+    # and the table layer refuses such a location from any other caller
+    location = RunPaths.of(root).experiences
+    refused = rf"contains {re.escape(shown)}, which Delta Lake cannot address"
     with pytest.raises(ValueError, match=refused):
-        ExperienceWriter(config).write(make_rows("a", 2))
-    with pytest.raises(ValueError, match=refused):
-        table_stats(config)
+        open_or_create(location, INPUT_SCHEMA)
     assert not root.exists()
 
 
@@ -166,5 +171,7 @@ def test_a_safe_link_to_an_unaddressable_directory_is_refused_too(tmp_path):
     real.mkdir()
     link = tmp_path / "run"
     link.symlink_to(real)
+    with pytest.raises(ConfigError, match=r"run_root: .* contains '\^'"):
+        make_config(link)
     with pytest.raises(ValueError, match=r"real path '.*run\^1/experiences'"):
-        ExperienceWriter(make_config(link)).write(make_rows("a", 2))
+        open_or_create(RunPaths.of(link).experiences, INPUT_SCHEMA)

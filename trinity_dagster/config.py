@@ -28,7 +28,7 @@ from pydantic import (
 
 from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
 from trinity_dagster.explorer.tasks import TASKSETS
-from trinity_dagster.paths import local_path, uri_scheme
+from trinity_dagster.paths import delta_unaddressable, local_path, uri_scheme
 
 DEFAULT_RUN_ROOT = "runs/demo"
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
@@ -693,7 +693,28 @@ def config_from_dict(
         value = getattr(cfg.explorer, field)
         if value.endswith(".jsonl"):
             setattr(cfg.explorer, field, _resolve(value, base))
+    _check_table_location(cfg, source)
     return cfg
+
+
+def _check_table_location(cfg: TrinityConfig, source: str) -> None:
+    """Refuse a Delta tables' location Delta Lake cannot address (`paths.delta_unaddressable`)."""
+    key, location = (
+        ("buffer.tables_root", cfg.buffer.tables_root)
+        if cfg.buffer.tables_root
+        else (
+            "run_root",
+            cfg.run_root,
+        )
+    )
+    found = delta_unaddressable(location)
+    if found:
+        raise ConfigError(
+            f"invalid configuration in {source}:\n  {key}: {location!r} contains "
+            f"{', '.join(map(repr, found))}, which Delta Lake (deltalake 1.6) cannot address in "
+            "a table's path (^ | [ ] \\, control characters, % followed by two hex digits); "
+            "choose a directory without them"
+        )
 
 
 def _resolve(path: str, base: Path) -> str:

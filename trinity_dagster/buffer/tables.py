@@ -8,7 +8,6 @@ characters in it, so a location whose path has them is refused before Delta Lake
 from __future__ import annotations
 
 import random
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from deltalake import DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from trinity_dagster.buffer.schema import ROW_GROUP_ROWS
-from trinity_dagster.paths import local_path
+from trinity_dagster.paths import delta_unaddressable, local_path
 
 T = TypeVar("T")
 
@@ -29,11 +28,6 @@ T = TypeVar("T")
 # make every open slower until Delta's default checkpoint at 100 commits (measured: 1.5 ms
 # at 5 commits, 12 ms at 50). A checkpoint every 10 commits keeps an open at about 3 ms.
 TABLE_CONFIGURATION = {"delta.checkpointInterval": "10"}
-
-# What deltalake 1.6 cannot address in a table's real path (measured): `^ | [ ]` make a write
-# panic, `\` is taken as a separator, control characters are refused, and `%` with two hex
-# digits is decoded twice, so a table under `a%20b` is read and written under `a b`.
-UNADDRESSABLE = re.compile(r"[\^|\[\]\\\x00-\x1f\x7f]|%[0-9A-Fa-f]{2}")
 
 
 class CommitRetriesExhaustedError(RuntimeError):
@@ -48,11 +42,12 @@ def writer_properties() -> WriterProperties:
 def addressable(location: str | Path) -> str:
     """`location` as text for Delta Lake.
 
-    Raises ValueError if its real path has characters Delta Lake mishandles (`UNADDRESSABLE`).
+    Raises ValueError if its real path has characters Delta Lake mishandles
+    (`paths.delta_unaddressable`).
     """
-    real = local_path(location).resolve()  # Delta Lake resolves symbolic links too
-    found = sorted(set(UNADDRESSABLE.findall(str(real))))
+    found = delta_unaddressable(location)
     if found:
+        real = local_path(location).resolve()
         raise ValueError(
             f"Delta table location {str(location)!r} (real path {str(real)!r}) contains "
             f"{', '.join(repr(c) for c in found)}, which Delta Lake cannot address "
