@@ -19,15 +19,14 @@ from typing import Any
 
 import dagster as dg
 
+from assets.explore import ROLLOUTS
 from assets.partitions import step_of, step_partitions
+from assets.training import TRAIN
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.trainer import Trainer, control
 from trinity_dagster.trainer.control import Action
 from trinity_dagster.trainer.run_state import STOPPED, read_trainer_state, write_trainer_state
-
-TRAIN = "train_step"
-ROLLOUTS = "rollouts"
 
 
 def request_id(context: dg.OpExecutionContext, action: Action, step: int | None) -> str:
@@ -123,18 +122,17 @@ def stop(
     state = read_trainer_state(paths)
     if state is not None and state.state == "finished":
         raise dg.Failure(f"training already finished at step {state.step}: {state.reason}")
-    control.clear_paused(paths)
     found = ask_trainer(context, run_config, "stop")
     if found is None:
-        trainer = Trainer(run_config.config, engine.wrapper())
+        trainer = Trainer(run_config.config, engine.wrapper())  # closed with the resource
         trainer.engine.prepare()
         trainer.last_sync_step = trainer.engine.last_sync_step
         step = trainer.train_step_num
         trainer.finish(f"{STOPPED} {request_id(context, 'stop', None)} at step {step}")
-        trainer.engine.close()
     else:
         step = int(found["step"])
     control.forget(paths, request_id(context, "stop", None))
+    control.clear_paused(paths)  # finished now: nothing to resume
     dropped = drop_untouched_partitions(context.instance, after=step)
     context.log.info(
         f"training stopped at step {step} with its final checkpoint"
