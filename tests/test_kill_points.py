@@ -35,7 +35,7 @@ from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.faults import ENV, fired_path
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.trainer.engine_wrapper import PROGRESS_TIMEOUT_ENV, ServiceEngineWrapper
+from trinity_dagster.trainer.engine_wrapper import ServiceEngineWrapper
 from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.trainer import Trainer, TrainerHook
 
@@ -157,9 +157,8 @@ def test_a_hung_train_step_is_killed_within_the_bound_and_recovers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(ENV, "train_forward:3:hang")
-    monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, str(HANG_TIMEOUT_S))
     with caplog.at_level(logging.WARNING, logger="trinity_dagster.trainer.engine_wrapper"):
-        got = train(seed_run, tmp_path, {})
+        got = train(seed_run, tmp_path, {"service": {"progress_timeout_s": HANG_TIMEOUT_S}})
     record = fired(got.paths)
     assert record["mode"] == "hang"
     kills = [r for r in caplog.records if "killed the hung engine service" in r.getMessage()]

@@ -32,11 +32,6 @@ from trinity_dagster.service.state import (
     token_path,
     write_state,
 )
-from trinity_dagster.trainer.engine_wrapper import (
-    PROGRESS_TIMEOUT_ENV,
-    PROGRESS_TIMEOUT_S,
-    progress_timeout_s,
-)
 
 
 def final_weights(config) -> dict:
@@ -333,14 +328,3 @@ def test_an_armed_fault_kills_rank_0_once_per_run_root(tmp_path: Path) -> None:
     assert (fired["window"], fired["step"], fired["mode"]) == ("weights_publish", 3, "kill")
     restarted = run(0)  # the fault fired for this run root: not armed again
     assert restarted.returncode == 0 and restarted.stdout.split() == ["None", "alive"]
-
-
-def test_the_progress_bound_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PROGRESS_TIMEOUT_ENV, raising=False)
-    assert progress_timeout_s() == PROGRESS_TIMEOUT_S
-    monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, "7.5")
-    assert progress_timeout_s() == 7.5
-    for bad in ("0", "-3", "soon"):
-        monkeypatch.setenv(PROGRESS_TIMEOUT_ENV, bad)
-        with pytest.raises(ValueError, match=f"{PROGRESS_TIMEOUT_ENV}={bad!r}"):
-            progress_timeout_s()

@@ -350,9 +350,8 @@ def test_without_total_steps_the_loop_trains_until_the_data_ends(tmp_path: Path)
     assert hook.steps == [1, 2, 3, 4, 5]
     # saves every 2 steps, then the final blocking one; step 5 was synced before the data ended
     saves = engine.of_kind("save")
-    assert saves == [("save", 2, False, True, True), ("save", 4, False, True, True)] + [
-        ("save", 5, True, True, False)
-    ], saves
+    expected = [(2, False, True, True), (4, False, True, True), (5, True, True, False)]
+    assert saves == [("save", *e) for e in expected], saves
     assert engine.of_kind("publish")[-1] == ("publish", 5)
     state = read_trainer_state(paths)
     assert state is not None and state.finished(None) and state.step == 5

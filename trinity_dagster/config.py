@@ -345,6 +345,12 @@ class ServiceConfig(_Section):
     idle_timeout_s: float = Field(default=1800.0, gt=0)
     start_timeout_s: float = Field(default=300.0, gt=0)
     request_timeout_s: float = Field(default=1800.0, gt=0)
+    progress_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A train step that goes this long without a layer's forward, a gradient "
+        "or an optimizer step counts as hung: its service is killed and the step repeated.",
+    )
     nnodes: int = Field(default=1, ge=1, description="Machines the engine service runs on.")
     nproc_per_node: int | None = Field(
         default=None, ge=1, description="Ranks on each node; None: the world size / nnodes."

@@ -4,13 +4,15 @@
 
 arms one fault: when rank 0 of the engine service reaches `<window>` (of step `<step>`, or
 of any step), it SIGKILLs its own process, or with `hang` blocks the calling thread forever.
-Windows (`WINDOWS`): `train_forward` (a transformer layer's forward), `train_backward` (a
-layer's gradient), `optimizer_step` (just
-before the optimizer updates the weights), `checkpoint_write` (the engine state being
-written into `.global_step_N.tmp-*`), `checkpoint_renamed` (`global_step_N/` renamed into
-place, markers not moved), `weights_publish` (`weights/.global_step_N.tmp-*` written, not
-renamed), `weights_renamed` (`weights/global_step_N/` in place, marker not moved) and
-`shm_upload` (the /dev/shm region written under its temp name, not renamed).
+Windows (`WINDOWS`):
+- `train_forward`: a transformer layer's forward; `train_backward`: a layer's gradient;
+- `optimizer_step`: just before the optimizer updates the weights;
+- `checkpoint_write`: the engine state handed to its writer in `.global_step_N.tmp-*`
+  (mid-write for a background save, written without a manifest for a blocking one);
+- `checkpoint_renamed`: `global_step_N/` renamed into place, the markers not moved;
+- `weights_publish`: `weights/.global_step_N.tmp-*` written, not renamed;
+- `weights_renamed`: `weights/global_step_N/` in place, the marker not moved;
+- `shm_upload`: the /dev/shm region written under its temp name, not renamed.
 
 The variable is read once, at import; unset, `fault_point` returns at once. A fault fires
 once per run root: just before it fires, `service/fault_fired.json` is written under the run

@@ -10,7 +10,6 @@ the ABC. No torch here.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,23 +33,7 @@ from trinity_dagster.service.state import ServiceState, read_token
 
 T = TypeVar("T")
 POLL_S = 0.2
-PROGRESS_TIMEOUT_ENV = "TRINITY_DAGSTER_PROGRESS_TIMEOUT_S"
-PROGRESS_TIMEOUT_S = 600.0  # a train step with no layer forward, gradient or optimizer step
-
 log = logging.getLogger(__name__)
-
-
-def progress_timeout_s() -> float:
-    """How long a train step may go without progress before its service counts as hung
-    (`TRINITY_DAGSTER_PROGRESS_TIMEOUT_S`, default `PROGRESS_TIMEOUT_S`)."""
-    text = os.environ.get(PROGRESS_TIMEOUT_ENV, "")
-    try:
-        value = float(text) if text else PROGRESS_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{PROGRESS_TIMEOUT_ENV}={text!r}: expected a number of seconds > 0")
-    return value
 
 
 class TrainEngineWrapper(ABC):
@@ -113,7 +96,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
     If the service dies during a call (a crash, kill -9), it is started again (it resumes
     from the newest complete checkpoint and replays recorded steps) and the call is repeated
     once. A `train_step` is watched while it runs: a service whose step makes no progress for
-    `progress_timeout_s()`, or whose rank 0 does not answer `status` within `SILENT_AFTER_S`,
+    `service.progress_timeout_s`, or whose rank 0 does not answer `status` within `SILENT_AFTER_S`,
     is killed, and the step goes the same way. Engine errors raise `EngineError` with the
     engine's message and traceback.
     """
@@ -125,7 +108,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         self._step = 0
         self._last_sync_step = 0
         self._started = False
-        self.progress_timeout_s = progress_timeout_s()
+        self.progress_timeout_s = config.service.progress_timeout_s
 
     def prepare(self) -> None:
         if self._client is None and self.autostart:
@@ -263,7 +246,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
             return None
         return (
             f"its train step {status['training_step']} made no progress for {since:.0f} s "
-            f"(more than {PROGRESS_TIMEOUT_ENV}={self.progress_timeout_s:g})"
+            f"(more than service.progress_timeout_s={self.progress_timeout_s:g})"
         )
 
     def _until_done(self, call: Callable[[EngineClient], dict[str, Any]]) -> dict[str, Any]:
