@@ -12,6 +12,8 @@ cost took about an eighth of a core, beside a loop that keeps both cores busy. I
   manifest lands (and `synced_weights[N]`, when the manifest says the export serves as the
   sync, once the weights marker names N), without a run, holding no pool slot; a checkpoint
   that a user's run asked for ("save now") is left to that run while it is alive;
+- `weights_versions`: adds a `weights_version` partition for each published or kept
+  version, so the UI offers it for `evaluation`;
 - `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
   warm-up's last (checkpointed) and the final weights.
 A run killed with its worker is retried by Dagster's run retries (see
@@ -309,6 +311,27 @@ def checkpoint_events(
     return events
 
 
+def weights_versions(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """`weights_version` partitions for the versions on disk, so that the UI offers each
+    published or kept version for `evaluation` without a partition added by hand."""
+    paths = run_config.paths
+    published = latest_weights_version(paths) or 0
+    versions = {e.step for e in scan_step_dirs(paths.weights) if e.kind == "final"}
+    versions = {v for v in versions if v <= published}
+    versions |= {
+        e.step
+        for e in scan_step_dirs(paths.checkpoints)
+        if e.kind == "final" and (e.path / HF_SUBDIR / "config.json").is_file()
+    }
+    known = set(instance.get_dynamic_partitions(weights_partitions.name))
+    new = [step_key(v) for v in sorted(versions) if step_key(v) not in known]
+    if not new:
+        return dg.SkipReason("every weights version on disk has its partition")
+    return dg.SensorResult(dynamic_partitions_requests=[weights_partitions.build_add_request(new)])
+
+
 def evaluation_requests(
     instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
@@ -351,7 +374,7 @@ def rft_loop_sensor(
     Dagster refuses a result that adds a partition twice, so the parts' partition requests
     become one per partitions definition.
     """
-    parts = [trainer_request, checkpoint_records, evaluation_requests]
+    parts = [trainer_request, checkpoint_records, weights_versions, evaluation_requests]
     if run_config.config.dagster.builtin_explorer:
         parts.insert(1, explorer_request)
     run_requests: list[dg.RunRequest] = []
@@ -368,7 +391,7 @@ def rft_loop_sensor(
         for request in result.dynamic_partitions_requests or []:
             added = keys.setdefault(request.partitions_def_name, {})
             added.update(dict.fromkeys(request.partition_keys or []))
-    if not run_requests and not events:
+    if not run_requests and not events and not keys:
         return dg.SkipReason("; ".join(skipped))
     return dg.SensorResult(
         run_requests=run_requests,

@@ -57,16 +57,6 @@ STOP_AT = 6
 ASSET_JOB = "__ASSET_JOB"
 TRAINING_ASSETS = ("experience_batch", "train_step", "experiences", "checkpoint", "synced_weights")
 
-ADD_PARTITION = """
-mutation($repo: RepositorySelector!, $def: String!, $key: String!) {
-  addDynamicPartition(repositorySelector: $repo, partitionsDefName: $def, partitionKey: $key) {
-    __typename
-    ... on AddDynamicPartitionSuccess { partitionKey }
-    ... on PythonError { message }
-    ... on UnauthorizedError { message }
-    ... on DuplicateDynamicPartitionError { partitionName }
-  }
-}"""
 LAUNCH_RUN = """
 mutation($params: ExecutionParams!) {
   launchRun(executionParams: $params) {
@@ -139,6 +129,12 @@ CHECK_EXECUTIONS = """
 query($check: String!) {
   assetCheckExecutions(assetKey: {path: ["train_step"]}, checkName: $check, limit: 100) {
     runId status partition evaluation { success partition }
+  }
+}"""
+WEIGHTS_VERSIONS = """
+query {
+  assetNodeOrError(assetKey: {path: ["evaluation"]}) {
+    __typename ... on AssetNode { partitionKeys }
   }
 }"""
 PARTITION_KEYS = """
@@ -231,6 +227,12 @@ def materializations(dev: DagsterDev, asset: str, key: str | None = None) -> lis
 def recorded(dev: DagsterDev, asset: str) -> Counter[str]:
     """How many times each partition of `asset` was recorded."""
     return Counter(m["partition"] for m in materializations(dev, asset))
+
+
+def weights_versions(dev: DagsterDev) -> list[str]:
+    """The `weights_version` partitions the UI offers for `evaluation`."""
+    node = dev.graphql(WEIGHTS_VERSIONS)["assetNodeOrError"]
+    return expect_type(node, "AssetNode", "evaluation")["partitionKeys"]
 
 
 def job_runs(dev: DagsterDev, job: str) -> list[dict[str, Any]]:
@@ -364,11 +366,8 @@ def test_steer_a_running_training_from_the_ui(steering: Steering) -> None:
     assert synced["run"] == run and synced["version"] == 2, synced
     assert latest_weights_version(s.paths) == 2  # step 2's export serves as weights 2
 
-    # evaluate the published version beside training
-    added = dev.graphql(
-        ADD_PARTITION, {"repo": REPOSITORY_SELECTOR, "def": "weights_version", "key": "000002"}
-    )["addDynamicPartition"]
-    expect_type(added, "AddDynamicPartitionSuccess", "add weights_version 000002")
+    # evaluate the published version beside training: the sensor offers its partition
+    wait_for(lambda: step_key(2) in weights_versions(dev), "weights_version 000002 offered", dev)
     run = launch(dev, "evaluation_job", partition=step_key(2))
     s.act("evaluate", run)
     (evaluated,) = materializations(dev, "evaluation", step_key(2))

@@ -77,7 +77,10 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     assert set(requests) == {"train_job", "rollouts_job"}
     request = requests["train_job"]
     assert (request.tags[RANGE_START], request.tags[RANGE_END]) == ("000001", "000004")
-    (partitions,) = first.dynamic_partitions_requests  # Dagster refuses a key added twice
+    # one request per partitions definition: Dagster refuses a key added twice
+    by_def = {r.partitions_def_name: r for r in first.dynamic_partitions_requests}
+    assert len(by_def) == len(first.dynamic_partitions_requests)
+    partitions = by_def["step"]
     assert partitions.partition_keys == keys
     instance.add_dynamic_partitions("step", keys)
 
@@ -232,7 +235,9 @@ def test_without_total_steps_training_goes_on_until_the_explorers_data_ends(
             for request in requests.values():  # open-ended runs from step 1, one partition
                 assert request.tags[UNTIL_DATA_ENDS_TAG] == "true", request.tags
                 assert (request.tags[RANGE_START], request.tags[RANGE_END]) == ("000001",) * 2
-            (partitions,) = first.dynamic_partitions_requests
+            (partitions,) = [
+                r for r in first.dynamic_partitions_requests if r.partitions_def_name == "step"
+            ]
             assert partitions.partition_keys == ["000001"]
             instance.add_dynamic_partitions("step", ["000001"])
 
