@@ -22,7 +22,9 @@ trainer run that failed on an error of the loop is not relaunched: the skip reas
 why it waits. Run keys (job, range, attempt) make every request unique.
 """
 
+import contextlib
 import re
+import time
 from collections.abc import Sequence
 
 import dagster as dg
@@ -47,6 +49,7 @@ from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_c
 from trinity_dagster.checkpoint.rules import explore_steps_needed
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
+from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
 from trinity_dagster.trainer import control
 from trinity_dagster.trainer.run_state import TrainerState, read_trainer_state
 
@@ -92,6 +95,18 @@ def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
     another launcher (Kubernetes, Docker) the pid names a process on another machine, and
     Dagster's run monitoring checks the worker's health instead: None.
     """
+    pid = worker_pid(instance, run)
+    if pid is None:
+        return None
+    try:
+        alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        alive = False
+    return None if alive else pid
+
+
+def worker_pid(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
+    """The pid of a run's worker process on this machine (None under another launcher)."""
     if not isinstance(instance.run_launcher, dg.DefaultRunLauncher):
         return None
     records = instance.get_records_for_run(
@@ -102,13 +117,40 @@ def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
         for record in records
         if (match := WORKER_PID.search(record.event_log_entry.message or ""))
     ]
-    if not pids:
+    return pids[-1] if pids else None
+
+
+def end_hung_explorer(instance: dg.DagsterInstance, run_config: RunConfigResource) -> str | None:
+    """End the built-in explorer's started run if its loop made no progress (no heartbeat,
+    `explorer.heartbeat`) for `explorer.step_timeout_s`; returns what was done, or None.
+
+    Its worker is killed and the run reported failed, so it is started again from its step
+    like a crashed one.
+    """
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(job_name=rollouts_job.name, statuses=[dg.DagsterRunStatus.STARTED]),
+        limit=1,
+    )
+    if not runs:
         return None
-    try:
-        alive = psutil.Process(pids[-1]).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        alive = False
-    return None if alive else pids[-1]
+    run, limit = runs[0], run_config.config.explorer.step_timeout_s
+    record = instance.get_run_record_by_id(run.run_id)
+    quiet = [seconds_since_beat(run_config.paths, BUILTIN_EXPLORER_ID)]
+    if record is not None and record.start_time is not None:
+        quiet.append(time.time() - record.start_time)  # a beat of an earlier run is older
+    known = [q for q in quiet if q is not None]
+    if not known or min(known) <= limit:
+        return None
+    pid = worker_pid(instance, run)
+    if pid is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(pid).kill()
+    why = (
+        f"the explorer loop made no progress for {min(known):.0f} s "
+        f"(explorer.step_timeout_s {limit:g}); its worker (pid {pid}) was killed"
+    )
+    instance.report_run_failed(run, why)
+    return f"{rollouts_job.name} run {run.run_id} hung: {why}"
 
 
 def launch_attempt(
@@ -209,6 +251,9 @@ def explorer_request(
     finished = training_finished(run_config)
     if finished is not None:
         return dg.SkipReason(f"training finished at step {finished.step}")
+    hung = end_hung_explorer(instance, run_config)
+    if hung is not None:
+        return dg.SkipReason(hung)
     needed = explore_steps_needed(run_config.config)  # None: until the task set is used up
     first = newest_step(instance, ROLLOUTS) + 1
     if needed is not None and first > needed:

@@ -19,6 +19,7 @@ from tests.run_helpers import fill_buffer, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir, set_latest_weights_version
 from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
 from trinity_dagster.commands.training_run import metadata_values
+from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.trainer.run_state import DATA_ENDED, read_trainer_state
@@ -250,6 +251,8 @@ def test_without_total_steps_training_goes_on_until_the_explorers_data_ends(
             assert explored.success
             explore_steps = sorted(instance.get_materialized_partitions(dg.AssetKey("rollouts")))
             assert len(explore_steps) > 1, explore_steps  # partitions added as steps were done
+            beat = seconds_since_beat(paths, BUILTIN_EXPLORER_ID)
+            assert beat is not None and beat < 60, "the explorer loop beats as it goes"
 
             trained = dg.materialize(
                 [train], instance=instance, resources=resources, tags=requests["train_job"].tags

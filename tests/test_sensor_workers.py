@@ -1,17 +1,31 @@
-"""The sensors' dead-worker check: only for workers the default run launcher started here."""
+"""The sensors' checks of run workers: a dead one (only for workers the default run launcher
+started here), and a built-in explorer whose loop stopped beating."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import pytest
 from dagster._core.test_utils import instance_for_test
 
-from assets.sensors import worker_gone
+from assets.sensors import end_hung_explorer, explorer_request, worker_gone
+from resources.run_config import RunConfigResource
+from tests.run_helpers import tiny_config
+from trinity_dagster.explorer.heartbeat import (
+    BUILTIN_EXPLORER_ID,
+    Heartbeat,
+    heartbeat_path,
+    seconds_since_beat,
+)
+from trinity_dagster.paths import RunPaths
 
 ELSEWHERE = {"run_launcher": {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}}
 
@@ -51,3 +65,53 @@ def test_a_worker_started_by_another_launcher_is_left_to_run_monitoring(
 ) -> None:
     # Kubernetes or Docker workers run elsewhere: their pid means nothing on this machine.
     assert worker_gone(instance, _started_run(instance, _gone_pid())) is None
+
+
+def _rollouts_run(instance: dg.DagsterInstance, pid: int) -> dg.DagsterRun:
+    """A STARTED run of the built-in explorer whose worker reported `pid`."""
+    run = dg.DagsterRun(
+        job_name="rollouts_job", run_id=f"explore-{pid}", status=dg.DagsterRunStatus.STARTED
+    )
+    instance.add_run(run)
+    instance.report_engine_event(f"Started process for run (pid: {pid}).", run)
+    return run
+
+
+def test_an_explorer_that_stopped_beating_is_ended_and_one_that_beats_is_not(
+    instance: dg.DagsterInstance, tmp_path: Path
+) -> None:
+    _, config_file = tiny_config(tmp_path, {"explorer": {"step_timeout_s": 30}})
+    run_config = RunConfigResource(config_path=str(config_file))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        run = _rollouts_run(instance, worker.pid)
+        Heartbeat(run_config.paths, BUILTIN_EXPLORER_ID).beat(force=True)
+        assert end_hung_explorer(instance, run_config) is None, "it beat just now"
+
+        beat = heartbeat_path(run_config.paths, BUILTIN_EXPLORER_ID)
+        old = time.time() - 31
+        os.utime(beat, (old, old))  # a frozen generation or reward function
+        skipped = explorer_request(instance, run_config)
+        assert isinstance(skipped, dg.SkipReason), skipped
+        assert "made no progress for 31 s (explorer.step_timeout_s 30)" in skipped.skip_message
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+        ended = instance.get_run_by_id(run.run_id)
+        assert ended is not None and ended.status == dg.DagsterRunStatus.FAILURE
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_the_heartbeat_beats_at_most_once_a_second_unless_forced(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    assert seconds_since_beat(paths, "e0") is None
+    heartbeat = Heartbeat(paths, "e0")
+    heartbeat.beat()
+    first = heartbeat_path(paths, "e0").stat().st_mtime_ns
+    time.sleep(0.01)
+    heartbeat.beat()  # throttled: no write
+    assert heartbeat_path(paths, "e0").stat().st_mtime_ns == first
+    heartbeat.beat(force=True)
+    assert heartbeat_path(paths, "e0").stat().st_mtime_ns > first
+    since = seconds_since_beat(paths, "e0")
+    assert since is not None and 0 <= since < 5

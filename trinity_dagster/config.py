@@ -324,6 +324,12 @@ class ExplorerConfig(_Section):
     eval_taskset: str = Field(default="two_digit_addition_eval")
     reward_fn: str = Field(default="exact_match")
     tasks_per_step: int = Field(default=32, ge=1)
+    step_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="An explore step (generation, rewards, writing) that takes longer counts "
+        "as hung: rft_loop_sensor ends the explorer's run, which starts again from that step.",
+    )
     eval_tasks: int = Field(default=500, ge=1)
     temperature: float = Field(default=1.0, gt=0)
     top_p: float = Field(

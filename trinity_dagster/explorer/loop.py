@@ -11,7 +11,9 @@ It waits at most `synchronizer.sync_timeout` seconds for weights (without a limi
 user paused training), and stops when the trainer stopped: normally if the trainer
 finished, with `TrainerStoppedError` if it failed. When the
 task set is used up (`buffer.total_epochs`) or every explore step the trainer needs is done,
-it marks the end of data, so a trainer waiting for more stops cleanly.
+it marks the end of data, so a trainer waiting for more stops cleanly. It beats a heartbeat
+(`explorer.heartbeat`) at every step and while it waits, so a frozen step is told from a
+slow trainer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from trinity_dagster.checkpoint.shm_weights import newest_weights_version
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.explorer import Explorer
+from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
 from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.control import paused_by
@@ -59,7 +62,7 @@ class ExplorerLoop:
     def __init__(
         self,
         config: TrinityConfig,
-        explorer_id: str = "explorer-0",
+        explorer_id: str = BUILTIN_EXPLORER_ID,
         on_step: Callable[[int, dict[str, Any]], None] = lambda step, metadata: None,
     ) -> None:
         self.config = config
@@ -74,6 +77,7 @@ class ExplorerLoop:
             config, known_versions=lambda: set(range(self._writing_version + 1))
         )
         self._started_at = time.time()
+        self._heartbeat = Heartbeat(self.paths, explorer_id)
 
     def run(self, first: int, last: int | None, done: Collection[int] = ()) -> str:
         """Explore steps `first..last` (None: until the task set is used up or the trainer
@@ -84,6 +88,7 @@ class ExplorerLoop:
         for step in steps:
             if step in done:
                 continue
+            self._heartbeat.beat(force=True)
             if available is not None and step > available:
                 reason = (
                     f"the task set is used up after {available} explore steps "
@@ -184,6 +189,7 @@ class ExplorerLoop:
         While training is paused by the user the wait has no deadline."""
         deadline = time.monotonic() + self.config.synchronizer.sync_timeout
         while not ready():
+            self._heartbeat.beat()  # waiting is no hang
             state = read_trainer_state(self.paths)
             if state is not None and state.state == "failed":
                 raise TrainerStoppedError(f"{what}, but the trainer failed: {state.reason}")
