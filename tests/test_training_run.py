@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import trinity_dagster.commands.training_run as training_run
 from tests.dagster_dev_helpers import REPO_ROOT, processes_with_env
 from tests.run_helpers import tiny_config
 from trinity_dagster.buffer.end_of_data import end_of_data, mark_end_of_data
@@ -239,3 +240,45 @@ def test_sigterm_stops_the_runs_and_an_engine_still_starting(tmp_path: Path) -> 
         assert run.started() == [] and engine_processes(run.paths) == []
     finally:
         run.kill_leftovers()
+
+
+class _QuietProgress:
+    """A `Progress` with nothing new: no lines, no failure, every evaluation recorded."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+
+    def new_lines(self) -> list[str]:
+        return []
+
+    def final_failure(self) -> None:
+        return None
+
+    def sensor_failure(self) -> None:
+        return None
+
+    def evaluation(self, version: int) -> dict:
+        return {"eval/accuracy": 0.5}
+
+
+def test_run_says_once_that_training_is_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, _ = tiny_config(tmp_path, {"trainer": {"total_steps": 4}})
+    paths = RunPaths.of_config(config)
+    monkeypatch.setattr(training_run, "POLL_S", 0.05)
+    write_trainer_state(paths, "paused", 2, "paused by request r1.pause.now at step 2")
+    polls = {"n": 0}
+
+    class Daemon:
+        def poll(self) -> None:
+            polls["n"] += 1
+            if polls["n"] == 5:  # the user resumed, and training went on to its end
+                write_trainer_state(paths, "finished", 4, "trained all 4 steps")
+
+    training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "paused" in line]
+    assert lines == [
+        "trinity-dagster: training is paused at step 2 (paused by request r1.pause.now at "
+        "step 2); launch resume_training in the UI to go on"
+    ]

@@ -473,6 +473,7 @@ def _watch(
     from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 
     config = progress.config
+    paused_seen: float | None = None
     while True:
         for line in progress.new_lines():
             print(line, flush=True)
@@ -485,6 +486,13 @@ def _watch(
                 f"see {paths.logs / 'dagster-daemon.log'}"
             )
         state = read_trainer_state(paths)
+        if state is not None and state.state == "paused" and state.updated_at != paused_seen:
+            paused_seen = state.updated_at
+            print(
+                f"trinity-dagster: training is paused at step {state.step} ({state.reason}); "
+                "launch resume_training in the UI to go on",
+                flush=True,
+            )
         if state is not None and state.finished(config.trainer.total_steps):
             final = latest_weights_version(paths) or 0
             scored = {v: progress.evaluation(v) for v in versions_to_evaluate(config, paths, final)}
