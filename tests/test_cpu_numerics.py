@@ -1,4 +1,5 @@
-"""run/demo pin PyTorch's and MKL's kernel choice on x86-64, so a seed trains alike on any CPU."""
+"""Importing trinity_dagster pins PyTorch's and MKL's kernel choice on x86-64, so that every
+process of a run computes alike, on any processor."""
 
 from __future__ import annotations
 
@@ -31,6 +32,16 @@ def test_torch_takes_the_avx2_kernels_when_asked() -> None:
     environ = {k: v for k, v in os.environ.items() if k not in PORTABLE_X86}
     use_portable_cpu_numerics(environ)
     probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=environ, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "AVX2", done.stdout + done.stderr
+
+
+@pytest.mark.skipif(platform.machine().lower() != "x86_64", reason="x86-64 kernels")
+def test_every_process_that_imports_the_package_takes_them() -> None:
+    environ = {k: v for k, v in os.environ.items() if k not in PORTABLE_X86}
+    probe = "import trinity_dagster, torch; print(torch.backends.cpu.get_cpu_capability())"
     done = subprocess.run(
         [sys.executable, "-c", probe], env=environ, capture_output=True, text=True, check=True
     )

@@ -4,11 +4,13 @@ PyTorch and MKL choose their kernels by the processor (AVX2, AVX-512, ...), and 
 kernels round differently, so a training on CPU ends with other weights on another
 processor from the same seed. The demo's GRPO samples at temperature 1 and amplifies such
 last-bit differences: with the same seed and code, held-out accuracy ended at 0.20 with the
-AVX-512 kernels of one machine and at 0.38 with the AVX2 kernels. `trinity-dagster run` and
-`demo` therefore ask for the AVX2 paths before they start anything. Every x86-64 server
-processor of the last decade has them, so a seed should give the same run on any of them
-(MKL guarantees it for its routines under `MKL_CBWR`). A value already in the environment
-wins; other architectures are left alone.
+AVX-512 kernels of one machine and at 0.38 with the AVX2 kernels. Importing `trinity_dagster`
+therefore asks for the AVX2 paths, in every process of a run (the CLI, Dagster's run workers,
+the engine service) and before torch or MKL starts, and child processes inherit it. Every
+x86-64 server processor of the last decade has these paths, so a seed should give the same
+run on any of them (MKL guarantees it for its routines under `MKL_CBWR`). A value already in
+the environment wins; other architectures are left alone. A program that starts torch
+before it imports `trinity_dagster` keeps the kernels torch chose.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
 from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs
-from trinity_dagster.cpu_numerics import use_portable_cpu_numerics
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.steps import step_key
@@ -107,8 +106,7 @@ def find_workspace(workspace: str | Path | None) -> Path:
 
 
 def prepare_instance(config: TrinityConfig) -> Path:
-    """Write the run's config and instance settings; point this process's Dagster at them,
-    with the portable CPU kernels (`cpu_numerics`) for everything the daemon starts."""
+    """Write the run's config and instance settings; point this process's Dagster at them."""
     paths = RunPaths.of_config(config)
     paths.root.mkdir(parents=True, exist_ok=True)
     config_file = paths.root / "config.yaml"
@@ -116,7 +114,6 @@ def prepare_instance(config: TrinityConfig) -> Path:
     write_instance_yaml(paths.dagster_home)
     os.environ[CONFIG_ENV_VAR] = str(config_file)
     os.environ["DAGSTER_HOME"] = str(paths.dagster_home)
-    use_portable_cpu_numerics(os.environ)
     return config_file
 
 
