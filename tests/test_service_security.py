@@ -192,6 +192,7 @@ def test_train_step_far_ahead_is_refused_without_walking_the_steps(tmp_path: Pat
     for step in (1, 2, 4):
         write_record(paths, {"step": step})
     host = SimpleNamespace(engine=SimpleNamespace(step=0), paths=paths)
+    host._replay_up_to = lambda step, refusal: EngineHost._replay_up_to(host, step, refusal)  # type: ignore[arg-type]
     started = time.perf_counter()
     with pytest.raises(StepConflictError, match=f"steps 3..{MAX_STEP - 1} have not been trained"):
         EngineHost.train_step(host, MAX_STEP)  # type: ignore[arg-type]
