@@ -37,11 +37,11 @@ def _gone_pid() -> int:
     return proc.pid
 
 
-def _started_run(instance: dg.DagsterInstance, pid: int) -> dg.DagsterRun:
-    """A STARTED run whose worker reported `pid`, as Dagster's run worker does."""
-    run = dg.DagsterRun(
-        job_name="train_job", run_id=f"run-{pid}", status=dg.DagsterRunStatus.STARTED
-    )
+def _started_run(
+    instance: dg.DagsterInstance, pid: int, job_name: str = "train_job"
+) -> dg.DagsterRun:
+    """A STARTED run of `job_name` whose worker reported `pid`, as Dagster's run worker does."""
+    run = dg.DagsterRun(job_name=job_name, run_id=f"run-{pid}", status=dg.DagsterRunStatus.STARTED)
     instance.add_run(run)
     instance.report_engine_event(f"Started process for run (pid: {pid}).", run)
     return run
@@ -67,16 +67,6 @@ def test_a_worker_started_by_another_launcher_is_left_to_run_monitoring(
     assert worker_gone(instance, _started_run(instance, _gone_pid())) is None
 
 
-def _rollouts_run(instance: dg.DagsterInstance, pid: int) -> dg.DagsterRun:
-    """A STARTED run of the built-in explorer whose worker reported `pid`."""
-    run = dg.DagsterRun(
-        job_name="rollouts_job", run_id=f"explore-{pid}", status=dg.DagsterRunStatus.STARTED
-    )
-    instance.add_run(run)
-    instance.report_engine_event(f"Started process for run (pid: {pid}).", run)
-    return run
-
-
 def test_an_explorer_that_stopped_beating_is_ended_and_one_that_beats_is_not(
     instance: dg.DagsterInstance, tmp_path: Path
 ) -> None:
@@ -84,7 +74,7 @@ def test_an_explorer_that_stopped_beating_is_ended_and_one_that_beats_is_not(
     run_config = RunConfigResource(config_path=str(config_file))
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
-        run = _rollouts_run(instance, worker.pid)
+        run = _started_run(instance, worker.pid, job_name="rollouts_job")
         Heartbeat(run_config.paths, BUILTIN_EXPLORER_ID).beat(force=True)
         assert end_hung_explorer(instance, run_config) is None, "it beat just now"
 
