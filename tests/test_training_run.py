@@ -25,6 +25,8 @@ from trinity_dagster.commands.training_run import (
     extend_finished_run,
     find_workspace,
     held_out_accuracy,
+    reward_line,
+    rollout_reward_rise,
     stop_run,
     stop_signals_raise,
 )
@@ -88,6 +90,25 @@ def test_the_summary_reports_each_held_out_accuracy_with_its_interval(tmp_path: 
         "held-out accuracy after RL: 0.372 (95% CI 0.331-0.415)",
         "  (greedy, 500 held-out tasks)",
     ]
+
+
+def test_the_reward_rise_is_measured_over_25_steps_with_its_standard_error() -> None:
+    rewards = [0.1, 0.2] * 50 + [0.3, 0.4] * 50  # 200 RL steps
+    summary = rollout_reward_rise(rewards)
+    assert summary["reward_window"] == 25
+    assert summary["reward_first"] == pytest.approx(0.1 + 0.1 * 12 / 25)  # 13 x 0.1, 12 x 0.2
+    assert summary["reward_last"] == pytest.approx(0.3 + 0.1 * 13 / 25)  # 12 x 0.3, 13 x 0.4
+    # each window's variance is 0.0026: s.e. of the difference = sqrt(2 * 0.0026 / 25)
+    assert summary["reward_rise_se"] == pytest.approx((2 * 0.0026 / 25) ** 0.5, rel=1e-3)
+    assert reward_line(summary) == (
+        "rollout reward: first 25 RL steps 0.148 -> last 25 0.352 (+0.204 ± 0.014 s.e.)"
+    )
+    short = rollout_reward_rise([0.25, 0.5, 0.3, 0.5, 0.6, 0.9, 0.75, 0.75])  # a quarter each
+    assert (short["reward_window"], short["reward_first"], short["reward_last"]) == (2, 0.375, 0.75)
+    single = rollout_reward_rise([0.1, 0.3])
+    assert single["reward_rise_se"] is None
+    assert reward_line(single) == "rollout reward: first 1 RL steps 0.100 -> last 1 0.300 (+0.200)"
+    assert reward_line(rollout_reward_rise([])) == "rollout reward: no RL steps"
 
 
 def test_the_sft_models_weights_are_evaluated_while_they_are_on_disk(tmp_path: Path) -> None:

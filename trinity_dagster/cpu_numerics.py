@@ -6,11 +6,13 @@ processor from the same seed. The demo's GRPO samples at temperature 1 and ampli
 last-bit differences: with the same seed and code, held-out accuracy ended at 0.20 with the
 AVX-512 kernels of one machine and at 0.38 with the AVX2 kernels. Importing `trinity_dagster`
 therefore asks for the AVX2 paths, in every process of a run (the CLI, Dagster's run workers,
-the engine service) and before torch or MKL starts, and child processes inherit it. Every
-x86-64 server processor of the last decade has these paths, so a seed should give the same
-run on any of them (MKL guarantees it for its routines under `MKL_CBWR`). A value already in
-the environment wins; other architectures are left alone. A program that starts torch
-before it imports `trinity_dagster` keeps the kernels torch chose.
+the engine service) and before torch or MKL starts, and child processes inherit it. On
+Intel processors a seed then gives the same run on every model (MKL guarantees it for its
+routines under `MKL_CBWR`). MKL ignores `MKL_CBWR=AVX2` on AMD processors and chooses its own
+kernels there; only `MKL_CBWR=COMPATIBLE` (SSE2, ~40% slower on the demo) is honoured on
+both vendors, so it is the user's choice, not the default. A value already in the
+environment wins; other architectures are left alone. A program that starts torch before it
+imports `trinity_dagster` keeps the kernels torch chose.
 """
 
 from __future__ import annotations

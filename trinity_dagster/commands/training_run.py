@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, variance
 from typing import TYPE_CHECKING, Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
@@ -384,17 +384,14 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         evaluations["sft"] = scored[sft]
     accuracy = held_out_accuracy(config, evaluations)
     rollouts = [(step, reward) for step, reward, demo in progress.rollout_rewards() if not demo]
-    rewards = [reward for _, reward in rollouts]
-    window = max(1, min(5, len(rewards) // 2))
+    rise = rollout_reward_rise([reward for _, reward in rollouts])
     final_step = latest_checkpoint_step(paths)
     final_ckpt = checkpoint_dir(paths, final_step) if final_step is not None else None
     hf_model = final_ckpt / "huggingface" if final_ckpt is not None else None
     summary = {
         "steps": state.step,
         "stopped_because": state.reason,
-        "reward_first": fmean(rewards[:window]) if rewards else None,
-        "reward_last": fmean(rewards[-window:]) if rewards else None,
-        "reward_window": window,
+        **rise,
         **accuracy,
         "rollout_reward": {str(step): reward for step, reward in rollouts},
         "final_checkpoint": str(final_ckpt) if final_ckpt else None,
@@ -409,8 +406,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
             [
                 "",
                 f"done in {summary['seconds']:.0f} s: {state.step} steps ({state.reason})",
-                f"rollout reward: first {window} RL steps {summary['reward_first']} -> "
-                f"last {window} {summary['reward_last']}",
+                reward_line(summary),
                 *accuracy_lines(summary),
                 f"final checkpoint: {summary['final_checkpoint']}",
                 f"HF model: {summary['hf_model']}",
@@ -422,6 +418,38 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         flush=True,
     )
     return summary
+
+
+REWARD_WINDOW = 25
+
+
+def rollout_reward_rise(rewards: list[float]) -> dict[str, Any]:
+    """The mean rollout reward of the first and the last RL steps (`REWARD_WINDOW` steps each,
+    a quarter of the steps when there are fewer than 100), and the standard error of their
+    difference (None when a window has one step)."""
+    window = max(1, min(REWARD_WINDOW, len(rewards) // 4))
+    first, last = rewards[:window], rewards[-window:]
+    se = None
+    if window > 1:
+        se = (variance(first) / window + variance(last) / window) ** 0.5
+    return {
+        "reward_first": fmean(first) if rewards else None,
+        "reward_last": fmean(last) if rewards else None,
+        "reward_window": window,
+        "reward_rise_se": se,
+    }
+
+
+def reward_line(summary: dict[str, Any]) -> str:
+    """The summary's line on the rollout reward."""
+    first, last, window = summary["reward_first"], summary["reward_last"], summary["reward_window"]
+    if first is None:
+        return "rollout reward: no RL steps"
+    se = summary["reward_rise_se"]
+    rise = f"{last - first:+.3f}" + (f" ± {se:.3f} s.e." if se is not None else "")
+    return (
+        f"rollout reward: first {window} RL steps {first:.3f} -> last {window} {last:.3f} ({rise})"
+    )
 
 
 def held_out_accuracy(
