@@ -24,9 +24,15 @@ from assets.partitions import step_of, step_partitions
 from assets.training import TRAIN
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
+from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer import Trainer, control
 from trinity_dagster.trainer.control import Action
-from trinity_dagster.trainer.run_state import STOPPED, read_trainer_state, write_trainer_state
+from trinity_dagster.trainer.run_state import (
+    STOPPED,
+    TrainerState,
+    read_trainer_state,
+    write_trainer_state,
+)
 
 
 def request_id(context: dg.OpExecutionContext, action: Action, step: int | None) -> str:
@@ -79,16 +85,24 @@ def ask_trainer(
     return found
 
 
+def fail_if_finished(paths: RunPaths) -> TrainerState | None:
+    """The trainer state; fails the run (and clears a pause mark) if training has finished."""
+    state = read_trainer_state(paths)
+    if state is not None and state.state == "finished":
+        control.clear_paused(paths)
+        raise dg.Failure(f"training already finished at step {state.step}: {state.reason}")
+    return state
+
+
 @dg.op(description="Pause training after the current step and its due saves.")
 def pause(context: dg.OpExecutionContext, run_config: RunConfigResource) -> None:
     """Mark training paused and have the running loop end after its current step."""
     paths = run_config.paths
-    state = read_trainer_state(paths)
-    if state is not None and state.state == "finished":
-        raise dg.Failure(f"training already finished at step {state.step}: {state.reason}")
+    fail_if_finished(paths)
     control.set_paused(paths, by=context.run_id)
     found = ask_trainer(context, run_config, "pause")
     if found is None:
+        state = fail_if_finished(paths)  # as the last loop left it
         step = state.step if state is not None else 0
         write_trainer_state(paths, "paused", step, f"paused by run {context.run_id}")
     else:
@@ -119,9 +133,7 @@ def stop(
 ) -> None:
     """End training at the current step with the final save; forget untrained partitions."""
     paths = run_config.paths
-    state = read_trainer_state(paths)
-    if state is not None and state.state == "finished":
-        raise dg.Failure(f"training already finished at step {state.step}: {state.reason}")
+    fail_if_finished(paths)
     found = ask_trainer(context, run_config, "stop")
     if found is None:
         trainer = Trainer(run_config.config, engine.wrapper())  # closed with the resource

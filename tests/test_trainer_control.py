@@ -163,6 +163,34 @@ def test_requests_are_claimed_once(tmp_path: Path) -> None:
         control.submit_request(paths, "run-b.x", "restart")  # type: ignore[arg-type]
 
 
+def test_a_request_claimed_by_a_loop_that_just_ended_waits_for_its_answer(
+    tmp_path: Path,
+) -> None:
+    # a loop writes its final state (no longer alive), then answers the pause it claimed: the
+    # asking run must take that answer, not serve the pause itself
+    paths = RunPaths.of(tmp_path)
+    request = control.submit_request(paths, "run-a.pause.now", "pause")
+    assert control.claim(paths, request)
+    answered = threading.Timer(
+        0.5, lambda: control.answer(paths, request, ok=True, message="paused", step=3)
+    )
+    answered.start()
+    found = control.wait_for_answer(paths, request, loop_alive=lambda: False, timeout_s=5)
+    answered.join()
+    assert found is not None and found["step"] == 3, found
+    # a loop that died between its claim and its answer leaves the request to the caller
+    lost = control.submit_request(paths, "run-b.pause.now", "pause")
+    assert control.claim(paths, lost)
+    started = time.monotonic()
+    assert (
+        control.wait_for_answer(
+            paths, lost, loop_alive=lambda: False, timeout_s=5, claimed_grace_s=0.5
+        )
+        is None
+    )
+    assert 0.5 <= time.monotonic() - started < 2
+
+
 def test_the_pause_mark(tmp_path: Path) -> None:
     paths = RunPaths.of(tmp_path)
     assert control.paused_by(paths) is None and not control.clear_paused(paths)

@@ -29,6 +29,9 @@ from trinity_dagster.paths import RunPaths
 Action = Literal["save", "sync", "pause", "stop"]
 ACTIONS: tuple[Action, ...] = get_args(Action)
 POLL_S = 0.2
+# how long an ended loop may take from its final state to its answer: the due save and sync
+# requests of its last step are served in between
+CLAIMED_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -143,23 +146,41 @@ def wait_for_answer(
     *,
     loop_alive: Callable[[], bool],
     timeout_s: float,
+    claimed_grace_s: float = CLAIMED_GRACE_S,
 ) -> dict[str, Any] | None:
     """The loop's answer to `request`; None if no loop is alive to give one (the caller then
-    serves the request itself). Raises TimeoutError after `timeout_s`."""
+    serves the request itself). Raises TimeoutError after `timeout_s`.
+
+    A loop that claimed the request answers it as it ends, after it has written its final
+    state: so when no loop is alive but the request is claimed, the answer is awaited for
+    `claimed_grace_s` more; a loop that died before answering leaves it to the caller."""
     deadline = time.monotonic() + timeout_s
     while True:
         found = read_answer(paths, request.request_id)
         if found is not None:
             return found
         if not loop_alive():
-            claim(paths, request)  # taken back, unless a loop that has ended took it
-            return read_answer(paths, request.request_id)  # answered as it ended?
+            if claim(paths, request):
+                return None  # taken back: nobody serves it but the caller
+            return _claimed_answer(paths, request, claimed_grace_s)
         if time.monotonic() > deadline:
             forget(paths, request.request_id)
             raise TimeoutError(
                 f"the trainer loop did not answer {request.describe()} within {timeout_s:.0f} s"
             )
         time.sleep(POLL_S)
+
+
+def _claimed_answer(
+    paths: RunPaths, request: ControlRequest, grace_s: float
+) -> dict[str, Any] | None:
+    """The answer of the loop that claimed `request`, awaited `grace_s` at most."""
+    deadline = time.monotonic() + grace_s
+    while (found := read_answer(paths, request.request_id)) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(POLL_S)
+    return found
 
 
 def _pause_file(paths: RunPaths) -> Path:
