@@ -19,9 +19,8 @@ from typing import Any
 
 import dagster as dg
 
-from assets.explore import ROLLOUTS
+from assets.names import ROLLOUTS, TRAIN
 from assets.partitions import step_of, step_partitions
-from assets.training import TRAIN
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.paths import RunPaths

@@ -6,6 +6,7 @@ from assets.control import pause_training, resume_training, stop_training
 from assets.experiences import experience_schema, experiences
 from assets.explore import evaluate_newest_checkpoint, evaluation, rollouts
 from assets.jobs import evaluation_job, rollouts_job, save_job, train_job
+from assets.lineage import lineage_check_job, trained_exactly_once
 from assets.maintenance import (
     checkpoint_retention_job,
     checkpoint_retention_schedule,
@@ -23,7 +24,7 @@ run_config = RunConfigResource(config_path=config_path_from_env())
 
 defs = dg.Definitions(
     assets=[experiences, rollouts, train, publish, save, evaluation],
-    asset_checks=[experience_schema],
+    asset_checks=[experience_schema, trained_exactly_once],
     jobs=[
         rollouts_job,
         evaluation_job,
@@ -31,6 +32,7 @@ defs = dg.Definitions(
         save_job,
         delta_maintenance_job,
         checkpoint_retention_job,
+        lineage_check_job,
         pause_training,
         resume_training,
         stop_training,

@@ -17,13 +17,11 @@ from collections.abc import Iterator
 import dagster as dg
 
 from assets.jobs import evaluation_job
+from assets.names import EVALUATION, ROLLOUTS
 from assets.partitions import step_key, step_of, step_partitions, weights_partitions
 from assets.steps import StepPartitions, run_last_step, run_steps, step_materialization
 from resources.run_config import RunConfigResource, load_run_config
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
-
-ROLLOUTS = "rollouts"
-EVALUATION = "evaluation"
 
 _config = load_run_config()
 

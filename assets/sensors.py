@@ -15,7 +15,8 @@ cost took about an eighth of a core, beside a loop that keeps both cores busy. I
 - `weights_versions`: adds a `weights_version` partition for each published or kept
   version, so the UI offers it for `evaluation`;
 - `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
-  warm-up's last (checkpointed) and the final weights.
+  warm-up's last (checkpointed) and the final weights;
+- `lineage_check_request`: once training finished, runs `trained_exactly_once`.
 A run killed with its worker is retried by Dagster's run retries (see
 `trinity_dagster.dagster_instance`) or, if interrupted, started again by the sensor; a
 trainer run that failed on an error of the loop is not relaunched: the skip reason then says
@@ -31,12 +32,13 @@ import dagster as dg
 import psutil
 
 from assets.control import run_of_request
-from assets.explore import EVALUATION, ROLLOUTS, weights_partitions
+from assets.explore import weights_partitions
 from assets.jobs import evaluation_job, rollouts_job, train_job
+from assets.lineage import TRAINED_EXACTLY_ONCE, checkpoint_upstream, lineage_check_job
+from assets.names import CHECKPOINT, EVALUATION, HF_MODEL, ROLLOUTS, SYNCED, TRAIN
 from assets.partitions import step_key, step_of, step_partitions
 from assets.steps import UNTIL_DATA_ENDS_TAG
-from assets.training import SYNCED, TRAIN
-from assets.weights import CHECKPOINT, HF_MODEL, checkpoint_metadata, hf_metadata
+from assets.weights import checkpoint_metadata, hf_metadata
 from resources.run_config import RunConfigResource, load_run_config
 from trinity_dagster.buffer.end_of_data import end_of_data
 from trinity_dagster.checkpoint.layout import (
@@ -44,6 +46,7 @@ from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_weights_version,
     scan_step_dirs,
+    weights_versions_on_disk,
 )
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trinity_dagster.checkpoint.rules import explore_steps_needed
@@ -63,6 +66,7 @@ _INTERVAL = _config.dagster.sensor_interval_s
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 MAX_ATTEMPTS = 3
+FINISHED_TAG = "trinity/training_finished"  # step@time of the end a lineage check is for
 WORKER_PID = re.compile(r"Started process for run \(pid: (\d+)\)")
 BUSY = (
     dg.DagsterRunStatus.QUEUED,
@@ -331,9 +335,8 @@ def checkpoint_events(
             "files": len(manifest.files),
             "manifest_sha256": manifest.digest(),
         }
-        events.append(
-            dg.AssetMaterialization(CHECKPOINT, partition=key, metadata=checkpoint_metadata(info))
-        )
+        metadata = {**checkpoint_metadata(info), **checkpoint_upstream(paths, step)}
+        events.append(dg.AssetMaterialization(CHECKPOINT, partition=key, metadata=metadata))
     hf_dir = ckpt / HF_SUBDIR
     if (hf_dir / "config.json").is_file():
         if key not in recorded[HF_MODEL]:
@@ -361,17 +364,9 @@ def weights_versions(
 ) -> dg.SensorResult | dg.SkipReason:
     """`weights_version` partitions for the versions on disk, so that the UI offers each
     published or kept version for `evaluation` without a partition added by hand."""
-    paths = run_config.paths
-    published = latest_weights_version(paths) or 0
-    versions = {e.step for e in scan_step_dirs(paths.weights) if e.kind == "final"}
-    versions = {v for v in versions if v <= published}
-    versions |= {
-        e.step
-        for e in scan_step_dirs(paths.checkpoints)
-        if e.kind == "final" and (e.path / HF_SUBDIR / "config.json").is_file()
-    }
+    versions = weights_versions_on_disk(run_config.paths)
     known = set(instance.get_dynamic_partitions(weights_partitions.name))
-    new = [step_key(v) for v in sorted(versions) if step_key(v) not in known]
+    new = [step_key(v) for v in versions if step_key(v) not in known]
     if not new:
         return dg.SkipReason("every weights version on disk has its partition")
     return dg.SensorResult(dynamic_partitions_requests=[weights_partitions.build_add_request(new)])
@@ -401,14 +396,36 @@ def evaluation_requests(
     )
 
 
+def lineage_check_request(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """One `trained_exactly_once` run each time training finishes."""
+    finished = training_finished(run_config)
+    if finished is None:
+        return dg.SkipReason("waiting for training to finish")
+    tags = {FINISHED_TAG: f"{finished.step}@{finished.updated_at}"}
+    done = instance.get_runs(
+        filters=dg.RunsFilter(job_name=lineage_check_job.name, tags=tags), limit=1
+    )
+    if done:
+        return dg.SkipReason(f"{TRAINED_EXACTLY_ONCE} ran in {done[0].run_id}")
+    request = dg.RunRequest(
+        run_key=f"{TRAINED_EXACTLY_ONCE}-{tags[FINISHED_TAG]}",
+        job_name=lineage_check_job.name,
+        tags=tags,
+    )
+    return dg.SensorResult(run_requests=[request])
+
+
 @dg.sensor(
     name="rft_loop_sensor",
-    jobs=[train_job, rollouts_job, evaluation_job],
+    jobs=[train_job, rollouts_job, evaluation_job, lineage_check_job],
     minimum_interval_seconds=_INTERVAL,
     default_status=_STATUS,
     description=(
         "Keep the trainer run (and the built-in explorer run) going, record checkpoints as "
-        "their manifests land, and evaluate the initial, SFT and final weights at the end."
+        "their manifests land, and at the end evaluate the initial, SFT and final weights "
+        "and check that every experience trained exactly once."
     ),
 )
 def rft_loop_sensor(
@@ -419,7 +436,13 @@ def rft_loop_sensor(
     Dagster refuses a result that adds a partition twice, so the parts' partition requests
     become one per partitions definition.
     """
-    parts = [trainer_request, checkpoint_records, weights_versions, evaluation_requests]
+    parts = [
+        trainer_request,
+        checkpoint_records,
+        weights_versions,
+        evaluation_requests,
+        lineage_check_request,
+    ]
     if run_config.config.dagster.builtin_explorer:
         parts.insert(1, explorer_request)
     run_requests: list[dg.RunRequest] = []

@@ -49,10 +49,13 @@ class StepPartitions:
 
 
 def step_materialization(
-    asset: str, step: int, metadata: dict[str, Any]
+    asset: str, step: int, metadata: dict[str, Any], tags: dict[str, str] | None = None
 ) -> dg.AssetMaterialization:
-    """The materialisation of one step partition of `asset`."""
-    return dg.AssetMaterialization(asset_key=asset, partition=step_key(step), metadata=metadata)
+    """The materialisation of one step partition of `asset` (with Dagster's event `tags`, such
+    as its data version)."""
+    return dg.AssetMaterialization(
+        asset_key=asset, partition=step_key(step), metadata=metadata, tags=tags
+    )
 
 
 def numeric_metadata(values: dict[str, Any]) -> dict[str, float]:

@@ -18,8 +18,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
+import pyarrow as pa
 import pyarrow.compute as pc
 
+from assets.lineage import (
+    INPUT_DATA_VERSION_TAG,
+    batch_data_version,
+    data_version,
+    step_upstream,
+)
+from assets.names import BATCH, SYNCED, TRAIN
 from assets.partitions import step_key, step_partitions
 from assets.steps import (
     StepPartitions,
@@ -38,15 +46,31 @@ from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
 from trinity_dagster.trainer import SyncWithheldError, Trainer, TrainerHook
 
 ENGINE_POOL = "engine"
-BATCH = "experience_batch"
-TRAIN = "train_step"
-SYNCED = "synced_weights"
 CHECKS = ("loss_is_finite", "kl_within_bound")
 
 
-def batch_metadata(run_config: RunConfigResource, step: int, pinned: PinResult) -> dict[str, Any]:
-    """Size, reward statistics, source table version and staleness of step N's batch."""
-    table = pinned.rows if pinned.rows is not None else load_step_batch(run_config.config, step)
+def batch_table(run_config: RunConfigResource, step: int, pinned: PinResult) -> pa.Table:
+    """The train rows of step N's batch (as pinned, or read back from `batches`)."""
+    return pinned.rows if pinned.rows is not None else load_step_batch(run_config.config, step)
+
+
+def version_counts(table: pa.Table) -> dict[int, int]:
+    """Rows of a batch per producing weights version."""
+    grouped = table.group_by("model_version").aggregate([("model_version", "count")])
+    return dict(
+        zip(
+            grouped.column("model_version").to_pylist(),
+            grouped.column("model_version_count").to_pylist(),
+            strict=True,
+        )
+    )
+
+
+def batch_metadata(
+    run_config: RunConfigResource, table: pa.Table, pinned: PinResult
+) -> dict[str, Any]:
+    """Size, reward statistics, source table version and staleness of a step's batch (`table`,
+    its train rows)."""
     rewards = table.column("reward")
     versions = table.column("model_version")
     current = latest_weights_version(run_config.paths) or 0
@@ -87,27 +111,42 @@ class DagsterTrainerHook(TrainerHook):
         self.synced: set[int] = set()
         self.recorded = context.instance.get_materialized_partitions(dg.AssetKey(TRAIN))
         self.partitions = StepPartitions(context.instance)
+        # the last batch reported: its step, data version and upstream metadata for the step
+        self.upstream: tuple[int, str, dict[str, Any]] | None = None
 
-    def log(self, asset: str, step: int, metadata: dict[str, Any]) -> None:
+    def log(
+        self, asset: str, step: int, metadata: dict[str, Any], tags: dict[str, str] | None = None
+    ) -> None:
         """Log the materialisation of step N's partition of `asset` (added if new)."""
         self.partitions.ensure(step)
-        self.context.log_event(step_materialization(asset, step, metadata))
+        self.context.log_event(step_materialization(asset, step, metadata, tags))
 
     def on_batch(self, step: int, batch: PinResult) -> None:
-        self.log(BATCH, step, batch_metadata(self.run_config, step, batch))
+        table = batch_table(self.run_config, step, batch)
+        digest = batch_data_version(batch.eids)
+        metadata = batch_metadata(self.run_config, table, batch)
+        self.log(BATCH, step, metadata, data_version(digest))
+        self.upstream = (
+            step,
+            digest,
+            step_upstream(step, version_counts(table), batch.batch_version, batch.source_version),
+        )
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
         if record.get("already_trained") and step_key(step) in self.recorded:
             return  # logged by the run that trained it
+        at, digest, upstream = self.upstream or (None, None, {})
+        tags = {INPUT_DATA_VERSION_TAG.format(BATCH): digest} if at == step and digest else None
         metadata = train_metadata(
             record,
             metrics,
             **self.check(step, record["metrics"]),
+            **(upstream if at == step else step_upstream(step)),
             weights_version=latest_weights_version(self.run_config.paths) or 0,
             synced=step in self.synced,
             saved="time/save_checkpoint" in metrics,
         )
-        self.log(TRAIN, step, metadata)
+        self.log(TRAIN, step, metadata, tags)
 
     def on_sync(self, step: int, info: dict[str, Any]) -> None:
         self.synced.add(step)
@@ -146,7 +185,9 @@ class DagsterTrainerHook(TrainerHook):
                 return
             if step_key(step) not in self.recorded:
                 checks = self.check(step, record["metrics"])
-                metadata = train_metadata(record, record["metrics"], **checks, recovered=True)
+                metadata = train_metadata(
+                    record, record["metrics"], **checks, **step_upstream(step), recovered=True
+                )
                 self.log(TRAIN, step, metadata)
                 self.recorded.add(step_key(step))
 
@@ -203,8 +244,9 @@ def train(
             pinned = pin_batch(run_config.config, step)
             if isinstance(pinned, PinShortfall):
                 raise dg.Failure(f"not enough experiences for step {step}: {pinned.message}")
-            metadata = batch_metadata(run_config, step, pinned)
-            context.log_event(step_materialization(BATCH, step, metadata))
+            metadata = batch_metadata(run_config, batch_table(run_config, step, pinned), pinned)
+            digest = data_version(batch_data_version(pinned.eids))
+            context.log_event(step_materialization(BATCH, step, metadata, digest))
     yield from ()  # each step and its checks were logged as the step finished
 
 

@@ -20,17 +20,15 @@ from typing import Any
 import dagster as dg
 
 from assets.control import ask_trainer, request_id
+from assets.lineage import checkpoint_upstream
+from assets.names import CHECKPOINT, HF_MODEL, TRAIN
 from assets.partitions import step_partitions
 from assets.steps import run_steps, step_materialization
-from assets.training import TRAIN
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trinity_dagster.trainer import control
-
-CHECKPOINT = "checkpoint"
-HF_MODEL = "hf_model"
 
 
 def checkpoint_metadata(info: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +90,8 @@ def save(
             except CorruptCheckpointError:  # not saved yet: "save now"
                 ask_trainer(context, run_config, "save", step=step, hf=hf)
             info = engine.wrapper().wait_for_checkpoint(step, hf=hf)
-            yield step_materialization(CHECKPOINT, step, checkpoint_metadata(info))
+            upstream = checkpoint_upstream(run_config.paths, step)
+            yield step_materialization(CHECKPOINT, step, {**checkpoint_metadata(info), **upstream})
             control.forget(run_config.paths, request_id(context, "save", step))
             try:
                 verify_checkpoint(ckpt)

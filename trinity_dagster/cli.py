@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("trinity_dagster.commands.config_cmd", "show the resolved configuration"),
     "bench": ("trinity_dagster.commands.bench_cmd", "run a benchmark from benchmarks/"),
     "convert": ("trinity_dagster.commands.convert_cmd", "turn a full checkpoint into an HF dir"),
+    "lineage": (
+        "trinity_dagster.commands.lineage_cmd",
+        "what trained what: a checkpoint's steps, an experience's step, a weights version's use",
+    ),
     "engine": (
         "trinity_dagster.commands.engine_cmd",
         "start, inspect, stop or join the engine service; print launch recipes",

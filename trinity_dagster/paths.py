@@ -1,8 +1,8 @@
 """Where everything of a run lives under its run root, and where its Delta tables live.
 
-The Delta tables (experiences, batches, quarantine) are named by a *location*: a local path
-or a URI (`file:///abs/dir`). Delta Lake opens either as given; code that needs the local
-file system (creating a directory, a `stat` of the log) asks `local_path` for it.
+The Delta tables (experiences, batches, quarantine, ledger/*) are named by a *location*: a
+local path or a URI (`file:///abs/dir`). Delta Lake opens either as given; code that needs the
+local file system (creating a directory, a `stat` of the log) asks `local_path` for it.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def join_location(base: str | Path, name: str) -> str:
 class RunPaths:
     """The fixed layout of a run root directory, with the location of its Delta tables.
 
-    `tables_root` is where `experiences/`, `batches/` and `quarantine/` live: a directory or
-    a `file://` URI (config `buffer.tables_root`); None puts them under the run root.
+    `tables_root` is where `experiences/`, `batches/`, `quarantine/` and `ledger/` live: a
+    directory or a `file://` URI (config `buffer.tables_root`); None puts them under the run
+    root.
     """
 
     root: Path
@@ -104,6 +105,18 @@ class RunPaths:
     def quarantine(self) -> str:
         """Location of the Delta table of rejected experiences with the reason."""
         return self.table("quarantine")
+
+    @property
+    def ledger_steps(self) -> str:
+        """Location of the lineage ledger's table of what each step consumed (one row per
+        pinned experience)."""
+        return self.table("ledger/steps")
+
+    @property
+    def ledger_rollouts(self) -> str:
+        """Location of the lineage ledger's table of the experiences commits: which explorer,
+        explore step and weights version wrote them."""
+        return self.table("ledger/rollouts")
 
     @property
     def checkpoints(self) -> Path:

@@ -1,4 +1,5 @@
-"""Delta maintenance of the buffer tables: compaction and vacuum, safe for pinned steps.
+"""Delta maintenance of the buffer and ledger tables: compaction and vacuum, safe for pinned
+steps.
 
 Replay of a pinned step reads only the current version of `batches`, which neither
 compaction (a data-preserving rewrite) nor vacuum (removes only files no longer referenced)
@@ -22,6 +23,8 @@ def _tables(config: TrinityConfig) -> dict[str, Any]:
             ("experiences", paths.experiences),
             ("batches", paths.batches),
             ("quarantine", paths.quarantine),
+            ("ledger/steps", paths.ledger_steps),
+            ("ledger/rollouts", paths.ledger_rollouts),
         )
     }
     return {name: table for name, table in found.items() if table is not None}

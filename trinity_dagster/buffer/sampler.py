@@ -37,6 +37,9 @@ from trinity_dagster.buffer.validation import row_to_json
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 
+# Commit metadata naming the step a `batches` commit pinned (the lineage ledger reads it).
+PIN_STEP_KEY = "trinity.step"
+
 
 class NotEnoughDataError(RuntimeError):
     """A forced pin found fewer eligible experiences than a batch needs."""
@@ -65,8 +68,9 @@ class PinShortfall:
 class PinResult:
     """The rows pinned to `step`: eids in batch order, what was read, dropped, and the state.
 
-    `rows` holds the pinned train rows (experience schema, batch order) when this call pinned
-    them, so a caller can describe the batch without reading it back; None otherwise.
+    `rows` holds the pinned train rows (experience schema, batch order) and `batch_version`
+    the `batches` table version of the pin when this call pinned them, so a caller can
+    describe the batch without reading it back; None otherwise.
     """
 
     step: int
@@ -77,6 +81,7 @@ class PinResult:
     dropped: list[str]
     already_pinned: bool
     rows: pa.Table | None = field(default=None, repr=False, compare=False)
+    batch_version: int | None = field(default=None, compare=False)
 
     @property
     def newly_pinned(self) -> bool:
@@ -243,7 +248,9 @@ def pin_batch(
             data,
             mode="append",
             writer_properties=writer_properties(),
-            commit_properties=CommitProperties(max_commit_retries=0),
+            commit_properties=CommitProperties(
+                max_commit_retries=0, custom_metadata={PIN_STEP_KEY: str(step)}
+            ),
         )
         pinned = PinResult(
             step=step,
@@ -254,6 +261,7 @@ def pin_batch(
             dropped=dropped,
             already_pinned=False,
             rows=rows.slice(0, len(selection.train)).select(list(EXPERIENCE_NAMES)),
+            batch_version=batches.version(),
         )
         stale = [
             QuarantineRecord(eid, "model_version", reason, row_to_json(row))

@@ -40,6 +40,9 @@ from trinity_dagster.buffer.validation import (
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 
+# Commit metadata naming the explore step a commit's rows came from (lineage ledger).
+EXPLORE_STEP_KEY = "trinity.explore_step"
+
 
 @dataclass(frozen=True)
 class WriteReport:
@@ -77,8 +80,13 @@ class ExperienceWriter:
         self._eids: set[str] = set()
         self._seen_files: set[str] = set()
 
-    def write(self, rows: Sequence[Mapping[str, Any]] | pa.Table) -> WriteReport:
+    def write(
+        self, rows: Sequence[Mapping[str, Any]] | pa.Table, explore_step: int | None = None
+    ) -> WriteReport:
         """Validate `rows`, append the valid ones in one commit, quarantine the rest.
+
+        `explore_step` (an explorer's step number) is kept in the commit's metadata, so the
+        lineage ledger can tell which rollouts the rows came from.
 
         Raises TypeError when `rows` is a single row (a mapping) or text instead of a sequence
         of rows or a table.
@@ -90,6 +98,7 @@ class ExperienceWriter:
         else:
             table, kept, unstorable = rows_to_table(rows, now)
         known = self._known_versions() if self._known_versions is not None else None
+        info = {} if explore_step is None else {EXPLORE_STEP_KEY: str(explore_step)}
         outcome: dict[str, Any] = {}
 
         def attempt() -> None:
@@ -107,7 +116,7 @@ class ExperienceWriter:
                     data,
                     mode="append",
                     writer_properties=writer_properties(),
-                    commit_properties=CommitProperties(max_commit_retries=0),
+                    commit_properties=CommitProperties(max_commit_retries=0, custom_metadata=info),
                 )
                 self._eids.update(valid.column("eid").to_pylist())
             outcome.update(problems=problems, written=valid.num_rows, version=version)

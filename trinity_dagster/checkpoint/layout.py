@@ -120,6 +120,21 @@ def latest_checkpoint_step(paths: RunPaths) -> int | None:
     return read_marker(paths.checkpoints / LATEST_CHECKPOINT_FILE)
 
 
+def weights_versions_on_disk(paths: RunPaths) -> list[int]:
+    """The weights versions an explorer or evaluation can load now, ascending: published
+    ones up to the marker, and every checkpoint's HF export."""
+    published = latest_weights_version(paths) or 0
+    versions = {
+        e.step for e in scan_step_dirs(paths.weights) if e.kind == "final" and e.step <= published
+    }
+    versions |= {
+        e.step
+        for e in scan_step_dirs(paths.checkpoints)
+        if e.kind == "final" and (e.path / HF_SUBDIR / "config.json").is_file()
+    }
+    return sorted(versions)
+
+
 def latest_weights_version(paths: RunPaths) -> int | None:
     """Newest published weights version, per `latest_state_dict_iteration.txt`."""
     return read_marker(paths.checkpoints / LATEST_WEIGHTS_FILE)

@@ -125,7 +125,7 @@ class ExplorerLoop:
             rows = self.explorer.explore(step, version)
         marks.append(time.perf_counter())
         self._writing_version = version
-        report = self._writer.write(rows)
+        report = self._writer.write(rows, explore_step=step)
         marks.append(time.perf_counter())
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
             raise ValueError(

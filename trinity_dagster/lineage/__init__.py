@@ -1,0 +1,1 @@
+"""What trained what: the lineage ledger, the queries on it, and the exactly-once proof."""

@@ -1,0 +1,260 @@
+"""The three lineage questions, answered from the ledger and the run root as plain dicts.
+
+- `checkpoint_lineage(N)`: the steps 1..N that led to checkpoint N, each with its batch and
+  the weights versions that produced its experiences, back to the initial model (version 0);
+- `eid_lineage(X)`: which step consumed experience X, which weights and rollout produced it,
+  and the first kept checkpoint and published weights that contain its effect;
+- `weights_lineage(V)`: which rollouts used weights V and which steps trained on them.
+
+Staleness of a trained experience is `(step - 1) - model_version`: how many versions older
+than the weights it trained are the weights that produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from trinity_dagster.buffer.schema import SEQ_SHIFT
+from trinity_dagster.buffer.tables import open_table
+from trinity_dagster.checkpoint.layout import (
+    checkpoint_dir,
+    published_weights_dir,
+    scan_step_dirs,
+    weights_versions_on_disk,
+)
+from trinity_dagster.lineage.ledger import ROLLOUTS_SCHEMA, STEPS_SCHEMA
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.records import recorded_steps
+
+
+class LineageQueryError(LookupError):
+    """The ledger cannot answer: an unknown eid, a step not trained yet; the message says."""
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """The ledger's two tables as pyarrow datasets (empty when a table does not exist)."""
+
+    paths: RunPaths
+    steps: ds.Dataset
+    rollouts: ds.Dataset
+
+    @classmethod
+    def open(cls, paths: RunPaths) -> LedgerView:
+        """The ledger of the run at `paths`, as it is now (see `update_ledger`)."""
+        return cls(
+            paths,
+            _dataset(paths.ledger_steps, STEPS_SCHEMA),
+            _dataset(paths.ledger_rollouts, ROLLOUTS_SCHEMA),
+        )
+
+    def step_rows(self, columns: list[str], where: ds.Expression | None = None) -> pa.Table:
+        """Columns of the rows of the steps table that match `where`."""
+        return self.steps.to_table(columns=columns, filter=where)
+
+
+def _dataset(location: str, schema: pa.Schema) -> ds.Dataset:
+    table = open_table(location)
+    if table is None:
+        return ds.dataset(schema.empty_table())
+    return table.to_pyarrow_dataset()
+
+
+def _counts(table: pa.Table, key: str) -> dict[int, int]:
+    """Rows per value of the integer column `key`, in ascending order of the value."""
+    if table.num_rows == 0:
+        return {}
+    grouped = table.group_by(key).aggregate([(key, "count")]).sort_by(key)
+    return dict(
+        zip(
+            grouped.column(key).to_pylist(), grouped.column(f"{key}_count").to_pylist(), strict=True
+        )
+    )
+
+
+def _kept_checkpoints(paths: RunPaths) -> list[int]:
+    """Steps of the complete checkpoints on disk (manifest present), ascending."""
+    return [
+        entry.step
+        for entry in scan_step_dirs(paths.checkpoints)
+        if entry.kind == "final" and (entry.path / "manifest.json").is_file()
+    ]
+
+
+def _first_at_or_after(values: list[int], step: int) -> int | None:
+    return next((v for v in sorted(values) if v >= step), None)
+
+
+def checkpoint_lineage(view: LedgerView, step: int) -> dict[str, Any]:
+    """Steps 1..`step` behind checkpoint `step`: batches, producing weights, gaps."""
+    if step < 1:
+        raise LineageQueryError(f"checkpoint {step}: checkpoints are of steps >= 1")
+    trained = recorded_steps(view.paths)
+    ckpt = checkpoint_dir(view.paths, step)
+    on_disk = (ckpt / "manifest.json").is_file()
+    if step not in trained and not on_disk:
+        raise LineageQueryError(
+            f"step {step} has not been trained (newest trained step: {max(trained, default=0)})"
+        )
+    rows = view.step_rows(
+        ["step", "kind", "model_version", "batch_version", "source_version"],
+        ds.field("step") <= step,
+    )
+    train = rows.filter(pc.equal(rows.column("kind"), "train"))
+    chain = _chain(rows, train)
+    pinned = {entry["step"] for entry in chain}
+    staleness = pc.subtract(pc.subtract(train.column("step"), 1), train.column("model_version"))
+    return {
+        "checkpoint": step,
+        "path": str(ckpt),
+        "on_disk": on_disk,
+        "initial_model": str(published_weights_dir(view.paths, 0)),
+        "steps": len(chain),
+        "missing_steps": [s for s in range(1, step + 1) if s not in pinned],
+        "steps_without_record": [s for s in range(1, step + 1) if s not in trained],
+        "experiences_trained": train.num_rows,
+        "experiences_dropped": rows.num_rows - train.num_rows,
+        "by_weights_version": _counts(train, "model_version"),
+        "staleness_min": pc.min(staleness).as_py(),
+        "staleness_max": pc.max(staleness).as_py(),
+        "chain": chain,
+    }
+
+
+def _chain(rows: pa.Table, train: pa.Table) -> list[dict[str, Any]]:
+    """One entry per step: parent, batch and experiences versions, counts per weights version."""
+    per_step = (
+        rows.group_by("step")
+        .aggregate([("batch_version", "max"), ("source_version", "max"), ("kind", "count")])
+        .sort_by("step")
+    )
+    versions = train.group_by(["step", "model_version"]).aggregate([("model_version", "count")])
+    by_step: dict[int, dict[int, int]] = {}
+    for s, v, n in zip(
+        versions.column("step").to_pylist(),
+        versions.column("model_version").to_pylist(),
+        versions.column("model_version_count").to_pylist(),
+        strict=True,
+    ):
+        by_step.setdefault(s, {})[v] = n
+    chain = []
+    for s, batch_version, source_version, total in zip(
+        per_step.column("step").to_pylist(),
+        per_step.column("batch_version_max").to_pylist(),
+        per_step.column("source_version_max").to_pylist(),
+        per_step.column("kind_count").to_pylist(),
+        strict=True,
+    ):
+        produced = dict(sorted(by_step.get(s, {}).items()))
+        trained = sum(produced.values())
+        chain.append(
+            {
+                "step": s,
+                "parent": s - 1,
+                "batch_version": batch_version,
+                "source_version": source_version,
+                "trained": trained,
+                "dropped": total - trained,
+                "by_weights_version": produced,
+            }
+        )
+    return chain
+
+
+def eid_lineage(view: LedgerView, eid: str) -> dict[str, Any]:
+    """Where experience `eid` went: consumed by which step, produced by which weights."""
+    rows = view.step_rows(
+        ["step", "kind", "model_version", "ingest_seq", "batch_version", "watermark"],
+        ds.field("eid") == eid,
+    ).sort_by("step")
+    if rows.num_rows == 0:
+        return _unconsumed(view, eid)
+    first = rows.slice(0, 1).to_pylist()[0]
+    rollout = _rollout_of(view, first["ingest_seq"], first["model_version"])
+    uses = [{"step": r["step"], "kind": r["kind"]} for r in rows.to_pylist()]
+    trained = [u["step"] for u in uses if u["kind"] == "train"]
+    effect = min(trained) if trained else None
+    return {
+        "eid": eid,
+        "status": "trained" if trained else "dropped",
+        "uses": uses,
+        "model_version": first["model_version"],
+        "ingest_seq": first["ingest_seq"],
+        "rollout": rollout,
+        "first_checkpoint": (
+            None if effect is None else _first_at_or_after(_kept_checkpoints(view.paths), effect)
+        ),
+        "first_published_weights": (
+            None
+            if effect is None
+            else _first_at_or_after(weights_versions_on_disk(view.paths), effect)
+        ),
+    }
+
+
+def _unconsumed(view: LedgerView, eid: str) -> dict[str, Any]:
+    """An eid no step consumed: written and waiting above the cursor, or unknown."""
+    experiences = open_table(view.paths.experiences)
+    found = (
+        experiences.to_pyarrow_dataset().to_table(
+            columns=["ingest_seq", "model_version"], filter=ds.field("eid") == eid
+        )
+        if experiences is not None
+        else pa.table({})
+    )
+    if found.num_rows == 0:
+        raise LineageQueryError(f"no experience {eid!r} in {view.paths.experiences}")
+    row = found.to_pylist()[0]
+    cursor = pc.max(view.step_rows(["watermark"]).column("watermark")).as_py()
+    return {
+        "eid": eid,
+        "status": "unconsumed",
+        "uses": [],
+        "model_version": row["model_version"],
+        "ingest_seq": row["ingest_seq"],
+        "cursor": cursor,
+        "rollout": _rollout_of(view, row["ingest_seq"], row["model_version"]),
+        "first_checkpoint": None,
+        "first_published_weights": None,
+    }
+
+
+def _rollout_of(view: LedgerView, ingest_seq: int, model_version: int) -> dict[str, Any] | None:
+    """The explorer commit that wrote the row with `ingest_seq`."""
+    commit = ingest_seq >> SEQ_SHIFT
+    found = view.rollouts.to_table(
+        columns=["explorer_id", "explore_step"],
+        filter=(ds.field("experiences_version") == commit)
+        & (ds.field("model_version") == model_version),
+    )
+    if found.num_rows == 0:
+        return None
+    row = found.to_pylist()[0]
+    return {"experiences_version": commit, **row}
+
+
+def weights_lineage(view: LedgerView, version: int) -> dict[str, Any]:
+    """The rollouts that used weights `version` and the steps that trained on them."""
+    rollouts = view.rollouts.to_table(
+        columns=["experiences_version", "explorer_id", "explore_step", "rows"],
+        filter=ds.field("model_version") == version,
+    ).sort_by("experiences_version")
+    used = view.step_rows(["step", "kind"], ds.field("model_version") == version)
+    train = used.filter(pc.equal(used.column("kind"), "train"))
+    trained_by_step = _counts(train, "step")
+    return {
+        "weights_version": version,
+        "produced_by_step": version if version > 0 else None,
+        "initial_model": version == 0,
+        "on_disk": version in weights_versions_on_disk(view.paths),
+        "rollouts": rollouts.to_pylist(),
+        "experiences": sum(rollouts.column("rows").to_pylist()),
+        "trained": train.num_rows,
+        "dropped": used.num_rows - train.num_rows,
+        "steps": trained_by_step,
+    }
