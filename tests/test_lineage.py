@@ -8,6 +8,8 @@ steps), steps pinned by `pin_batch`, engine records written as the engine writes
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -220,3 +222,14 @@ def test_a_consumed_experience_missing_from_the_experiences_table_is_named(
     DeltaTable(paths.experiences).delete("eid = 'x1-2'")
     verdict = verify_trained_once(paths)
     assert verdict.problems == ["1 consumed experiences are not in the experiences table: x1-2"]
+
+
+def test_the_benchmark_builds_a_ledger_and_answers_from_it() -> None:
+    # a small size, so the benchmark's own assertions on its answers run in every suite
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "benchmarks.bench_lineage", "--steps", "120", "--repeats", "1"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["steps"] == 120 and figures["ledger_rows"] == 120 * 256
+    assert {"query_checkpoint_s", "query_eid_s", "query_weights_s"} <= figures.keys()

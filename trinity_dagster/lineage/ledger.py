@@ -219,7 +219,7 @@ def update_ledger(paths: RunPaths) -> LedgerUpdate:
     steps = retry_commits(steps_attempt, MAX_RETRIES, "lineage ledger update (steps)")
     rollouts = retry_commits(rollouts_attempt, MAX_RETRIES, "lineage ledger update (rollouts)")
     for location in (paths.ledger_steps, paths.ledger_rollouts):
-        _compact_if_fragmented(location)
+        compact_if_fragmented(location)
     span = None
     if steps is not None:
         step_column = steps.column("step")
@@ -231,7 +231,8 @@ def update_ledger(paths: RunPaths) -> LedgerUpdate:
     )
 
 
-def _compact_if_fragmented(location: str) -> None:
+def compact_if_fragmented(location: str) -> None:
+    """Bin-pack the ledger table at `location` once it has more than `COMPACT_AT_FILES` files."""
     table = open_table(location)
     if table is not None and add_actions(table).num_rows > COMPACT_AT_FILES:
         table.optimize.compact(writer_properties=writer_properties())
