@@ -210,7 +210,7 @@ def main() -> None:
             lambda: checkpoint_lineage(LedgerView.open(paths), args.steps), args.repeats
         )
         eid = f"{EXPLORER}:{middle}:{ROWS // 2}"
-        eid_s, found = timed(lambda: eid_lineage(LedgerView.open(paths), eid), args.repeats)
+        eid_s, (found,) = timed(lambda: eid_lineage(LedgerView.open(paths), [eid]), args.repeats)
         weights_s, used = timed(
             lambda: weights_lineage(LedgerView.open(paths), middle), args.repeats
         )

@@ -5,7 +5,9 @@ The reference is the same configuration run by `trinity-dagster run` (which star
 settings `trinity-dagster` writes, and checks: every step trained exactly once, the final
 checkpoint complete with its manifest and HF export, the pointer files, and final weights
 bit-identical to the reference. Two of them kill things on the way: the trainer run's
-worker mid-step, and the daemon (then the whole `dagster dev`, restarted after).
+worker and the engine's rank 0 mid-step (then `trinity-dagster lineage` must show every
+experience trained exactly once and each checkpoint's ancestry whole), and the daemon (then
+the whole `dagster dev`, restarted after).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dagster as dg
 import psutil
 import pytest
 import yaml
+from deltalake import DeltaTable
 
 from tests.dagster_dev_helpers import REPO_ROOT, DagsterDev
 from tests.run_helpers import TINY, merge
@@ -30,13 +33,15 @@ from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
     latest_weights_version,
+    scan_step_dirs,
 )
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.config import load_config
 from trinity_dagster.dagster_instance import write_instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.service.records import read_record
+from trinity_dagster.service.records import read_record, recorded_steps
+from trinity_dagster.service.state import read_state
 from trinity_dagster.steps import step_key
 from trinity_dagster.trainer.run_state import read_trainer_state
 
@@ -134,8 +139,10 @@ class Loop:
     def instance(self) -> dg.DagsterInstance:
         return dg.DagsterInstance.from_config(str(self.paths.dagster_home))
 
-    def check_exactly_once(self) -> None:
-        """One engine record and one `train_step` materialisation per step, no replays."""
+    def check_exactly_once(self, retrained_up_to: int = 0) -> None:
+        """One engine record and one `train_step` materialisation per step, except that an
+        engine killed with no newer checkpoint trains steps 1..`retrained_up_to` again (a
+        second materialisation of each, by the retried run)."""
         for step in range(1, TOTAL_STEPS + 1):
             record = read_record(self.paths, step)
             assert record is not None and record["step"] == step, step
@@ -143,9 +150,41 @@ class Loop:
             self.wait_for_checkpoint_record(instance)
             records = instance.fetch_materializations(dg.AssetKey("train_step"), limit=1000)
             counts = Counter(r.asset_materialization.partition for r in records.records)
-        assert counts == {step_key(s): 1 for s in range(1, TOTAL_STEPS + 1)}, counts
+        assert set(counts) == {step_key(s) for s in range(1, TOTAL_STEPS + 1)}, counts
+        twice = {int(key) for key, n in counts.items() if n > 1}
+        assert max(counts.values()) <= 2 and twice <= set(range(1, retrained_up_to + 1)), counts
         engine_log = (self.paths.logs / "engine.log").read_text()
-        assert "replaying step" not in engine_log
+        assert retrained_up_to or "replaying step" not in engine_log
+
+    def check_lineage(self) -> None:
+        """Through `trinity-dagster lineage --json`: every eid the explorer wrote was trained
+        exactly once or waits above the sampler's cursor, and each kept checkpoint's ancestry
+        goes back to step 0 without a gap."""
+        written = DeltaTable(self.paths.experiences).to_pyarrow_table(columns=["eid"])
+        eids = written.column("eid").to_pylist()
+        answers = lineage(self.paths, "--eid", *eids)["eids"]
+        assert [a["eid"] for a in answers] == eids
+        statuses = Counter(a["status"] for a in answers)
+        assert set(statuses) <= {"trained", "unconsumed"}, statuses
+        for answer in answers:
+            if answer["status"] == "trained":
+                assert answer["uses"] == [{"step": answer["uses"][0]["step"], "kind": "train"}]
+            else:
+                assert answer["ingest_seq"] >= answer["cursor"], answer
+        per_step = Counter(a["uses"][0]["step"] for a in answers if a["uses"])
+        batch = load_config(self.config_file).buffer.train_batch_size
+        assert per_step == {step: batch for step in range(1, TOTAL_STEPS + 1)}, per_step
+        check = lineage(self.paths, "--check")
+        assert check["passed"], check["problems"]
+        assert check["experiences_trained"] == statuses["trained"] == TOTAL_STEPS * batch
+        kept = [e.step for e in scan_step_dirs(self.paths.checkpoints) if e.kind == "final"]
+        assert TOTAL_STEPS in kept, kept
+        for step in kept:
+            ancestry = lineage(self.paths, "--checkpoint", str(step))
+            assert [(c["step"], c["parent"]) for c in ancestry["chain"]] == [
+                (n, n - 1) for n in range(1, step + 1)
+            ], ancestry["chain"]
+            assert ancestry["missing_steps"] == ancestry["steps_without_record"] == []
 
     def wait_for_checkpoint_record(self, instance: dg.DagsterInstance) -> None:
         key = step_key(TOTAL_STEPS)
@@ -163,6 +202,15 @@ def loop(tmp_path: Path):
         yield made
     finally:
         made.stop()
+
+
+def lineage(paths: RunPaths, *args: str) -> dict:
+    """The JSON answer of `trinity-dagster lineage --run-root RUN ARGS --json`."""
+    command = [str(Path(sys.executable).parent / "trinity-dagster"), "lineage"]
+    command += ["--run-root", str(paths.root), *args, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 def run_worker(paths: RunPaths, job: str) -> psutil.Process | None:
@@ -192,7 +240,9 @@ def test_daemon_trains_to_the_end_unattended(loop: Loop, reference: bytes) -> No
     assert final_weights(loop.paths) == reference
 
 
-def test_killed_trainer_worker_is_retried_and_finishes(loop: Loop, reference: bytes) -> None:
+def test_killed_trainer_worker_and_engine_are_restarted_and_finish(
+    loop: Loop, reference: bytes
+) -> None:
     loop.start()
     loop.wait("step 3 to start training", lambda: read_record(loop.paths, 2) is not None)
     loop.wait(
@@ -201,11 +251,15 @@ def test_killed_trainer_worker_is_retried_and_finishes(loop: Loop, reference: by
         timeout_s=60,
     )
     worker = run_worker(loop.paths, "train_job")
-    assert worker is not None
+    engine = read_state(loop.paths)
+    assert worker is not None and engine is not None
     os.kill(worker.pid, signal.SIGKILL)
-    loop.wait("the trainer to finish after the kill", loop.finished)
-    loop.check_exactly_once()
+    os.kill(engine.pid, signal.SIGKILL)  # rank 0: the engine restarts from its checkpoint
+    trained = max(recorded_steps(loop.paths))
+    loop.wait("the trainer to finish after the kills", loop.finished)
+    loop.check_exactly_once(retrained_up_to=trained)
     assert final_weights(loop.paths) == reference
+    loop.check_lineage()
     with loop.instance() as instance:
         runs = instance.get_runs(filters=dg.RunsFilter(job_name="train_job"))
     assert len(runs) >= 2, "the killed trainer run was not retried"

@@ -6,8 +6,10 @@ experiences itself, so it knows where the loop stands when it acts. While the lo
 (or waits for data) the test saves now, syncs now, evaluates a published version, pauses,
 backfills two steps while paused, resumes and stops early with the final save, each as the
 UI sends it; then it compares the final weights with those of the same steps trained without
-any of that. Screenshots of the lineage, `train_step`'s plots and its per-step checks are kept
-under `test-artifacts/`.
+any of that, and checks the lineage: `trained_exactly_once` run by the sensor at the end and
+again on demand, each step's and checkpoint's upstream links. Screenshots of the lineage,
+`train_step`'s plots, its per-step checks and a checkpoint's upstream are kept under
+`test-artifacts/`.
 """
 
 from __future__ import annotations
@@ -129,6 +131,31 @@ CHECK_EXECUTIONS = """
 query($check: String!) {
   assetCheckExecutions(assetKey: {path: ["train_step"]}, checkName: $check, limit: 100) {
     runId status partition evaluation { success partition }
+  }
+}"""
+RUN_CHECK_EXECUTIONS = """
+query($check: String!) {
+  assetCheckExecutions(assetKey: {path: ["train_step"]}, checkName: $check, limit: 10) {
+    runId
+    status
+    evaluation { success metadataEntries { label ... on IntMetadataEntry { intValue } } }
+  }
+}"""
+LINKS = """
+query($asset: [String!]!, $keys: [String!]) {
+  assetOrError(assetKey: {path: $asset}) {
+    ... on Asset {
+      assetMaterializations(partitions: $keys) {
+        tags { key value }
+        metadataEntries {
+          label
+          ... on UrlMetadataEntry { url }
+          ... on MarkdownMetadataEntry { mdStr }
+          ... on TextMetadataEntry { text }
+          ... on IntMetadataEntry { intValue }
+        }
+      }
+    }
   }
 }"""
 WEIGHTS_VERSIONS = """
@@ -444,7 +471,72 @@ def test_steer_a_running_training_from_the_ui(steering: Steering) -> None:
         assert {k: passed.get(k) for k in trained} == train_runs, (check, executions)
 
     assert_same_weights_as_uninterrupted(s)
+    check_lineage(s)
     look_in_chromium(s)
+
+
+def check_executions(dev: DagsterDev) -> list[dict[str, Any]]:
+    """The executions of `trained_exactly_once`, newest first."""
+    variables = {"check": "trained_exactly_once"}
+    return dev.graphql(RUN_CHECK_EXECUTIONS, variables)["assetCheckExecutions"]
+
+
+def links(dev: DagsterDev, asset: str, key: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The metadata values (urls, markdown, text, ints) and tags of a partition's newest
+    materialisation."""
+    node = dev.graphql(LINKS, {"asset": [asset], "keys": [key]})["assetOrError"]
+    event = node["assetMaterializations"][0]
+    values = {
+        e["label"]: e.get("url", e.get("mdStr", e.get("text", e.get("intValue"))))
+        for e in event["metadataEntries"]
+    }
+    return values, {t["key"]: t["value"] for t in event["tags"]}
+
+
+def check_lineage(s: Steering) -> None:
+    """The sensor ran `trained_exactly_once` at the end of training and it passed; a user
+    runs it again on demand as the UI's "Execute" button does; each step and checkpoint names
+    its upstream as links, and each batch carries its data version."""
+    dev = s.dev
+    wait_for(
+        lambda: any(e["status"] == "SUCCEEDED" for e in check_executions(dev)),
+        "the end-of-training trained_exactly_once check",
+        dev,
+    )
+    (ran,) = job_runs(dev, "lineage_check_job")
+    selector = {
+        **REPOSITORY_SELECTOR,
+        "jobName": ASSET_JOB,
+        "assetSelection": [],
+        "assetCheckSelection": [
+            {"assetKey": {"path": ["train_step"]}, "name": "trained_exactly_once"}
+        ],
+    }
+    launched = dev.graphql(LAUNCH_RUN, {"params": {"selector": selector}})["launchRun"]
+    run = expect_type(launched, "LaunchRunSuccess", "execute the check")["run"]["runId"]
+    wait_for_run(dev, run)
+    newest, *_ = check_executions(dev)
+    assert newest["runId"] == run and newest["evaluation"]["success"], newest
+    counts = {e["label"]: e.get("intValue") for e in newest["evaluation"]["metadataEntries"]}
+    batch = s.config.buffer.train_batch_size
+    assert counts["experiences_trained"] == STOP_AT * batch, counts
+    assert counts["steps_trained"] == STOP_AT, counts
+    assert ran["runId"] != run
+
+    values, tags = links(dev, "train_step", step_key(5))
+    assert values["upstream/experience_batch"].endswith(
+        "/assets/experience_batch?view=partitions&partition=000005"
+    )
+    assert values["upstream/parent_step"].endswith(
+        "/assets/train_step?view=partitions&partition=000004"
+    )
+    assert "| weights version | experiences |" in values["upstream/weights_versions"], values
+    _, batch_tags = links(dev, "experience_batch", step_key(5))
+    assert tags["dagster/input_data_version/experience_batch"] == batch_tags["dagster/data_version"]
+    values, _ = links(dev, "checkpoint", step_key(STOP_AT))
+    assert values["upstream/train_step"].endswith(f"partition={step_key(STOP_AT)}"), values
+    assert values["lineage/steps"] == f"1..{STOP_AT} from the initial model, no gap", values
+    assert values["lineage/experiences_trained"] == STOP_AT * batch, values
 
 
 def assert_same_weights_as_uninterrupted(s: Steering) -> None:
@@ -500,6 +592,24 @@ def look_in_chromium(s: Steering) -> None:
     for expected in ("check/loss_is_finite passed", "check/kl_within_bound passed"):
         assert expected in text, f"the partition page lacks {expected!r}: {text[:4000]}"
     chromium(page, screenshot=ARTIFACTS / "train_step_partition_checks.png", height=2000)
-    for shot in ("lineage.png", "train_step_plots.png", "train_step_partition_checks.png"):
+
+    # a checkpoint's partition page shows its upstream: the step, the steps behind it, the
+    # weights versions that produced their experiences
+    page = f"{dev.url}/assets/checkpoint?view=partitions&partition={step_key(STOP_AT)}"
+    text = visible_text(chromium(page))
+    for expected in (
+        "upstream/train_step",
+        f"1..{STOP_AT} from the initial model, no gap",
+        "weights version",
+    ):
+        assert expected in text, f"the checkpoint partition lacks {expected!r}: {text[:4000]}"
+    chromium(page, screenshot=ARTIFACTS / "checkpoint_partition_upstream.png", height=2000)
+    shots = (
+        "lineage.png",
+        "train_step_plots.png",
+        "train_step_partition_checks.png",
+        "checkpoint_partition_upstream.png",
+    )
+    for shot in shots:
         assert (ARTIFACTS / shot).stat().st_size > 20_000, f"{shot} looks blank"
     assert all(math.isfinite(m["actor/pg_loss"]) for m in materializations(dev, "train_step"))

@@ -80,14 +80,15 @@ def test_the_three_questions_from_a_run_root(
     assert [c["batch_version"] for c in chain] == [1, 2] == [1, batches.version()]
     assert [c["by_weights_version"] for c in chain] == [{"0": 4}, {"1": 4}]
 
-    code, answer = lineage(capsys, root, "--eid", "x2-3")
+    code, answer = lineage(capsys, root, "--eid", "x2-3", "x3-0")
     assert code == 0
+    (answer, waiting) = answer["eids"]
     assert answer["status"] == "trained" and answer["uses"] == [{"step": 2, "kind": "train"}]
     assert answer["model_version"] == 1
     assert answer["rollout"] == {"experiences_version": 2, "explorer_id": "ex0", "explore_step": 2}
 
-    code, answer = lineage(capsys, root, "--eid", "x3-0")
-    assert answer["status"] == "unconsumed" and answer["rollout"]["explore_step"] == 3
+    assert waiting["status"] == "unconsumed" and waiting["rollout"]["explore_step"] == 3
+    assert waiting["uses"] == [] and waiting["ingest_seq"] >= waiting["cursor"]
 
     code, answer = lineage(capsys, root, "--weights", "1")
     assert code == 0
@@ -175,7 +176,8 @@ def test_dropped_stale_rows_are_consumed_not_trained(
     writer.write([make_row("old", version=0), make_row("mid", version=1)], explore_step=1)
     writer.write([make_row("new1", version=2), make_row("new2", version=2)], explore_step=2)
     assert train(config, 1, current_version=2) == ["mid", "new1"]
-    code, answer = lineage(capsys, Path(config.run_root), "--eid", "old")
+    code, found = lineage(capsys, Path(config.run_root), "--eid", "old")
+    (answer,) = found["eids"]
     assert answer["status"] == "dropped" and answer["uses"] == [{"step": 1, "kind": "stale"}]
     code, answer = lineage(capsys, Path(config.run_root), "--check")
     assert code == 0 and answer["passed"]

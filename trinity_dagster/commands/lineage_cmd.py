@@ -1,7 +1,7 @@
 """`trinity-dagster lineage`: what trained what, from a run root.
 
 One question per call: `--checkpoint N` (the steps, batches and producing weights behind
-checkpoint N, back to the initial model), `--eid X` (which step trained experience X, with
+checkpoint N, back to the initial model), `--eid X...` (which step trained each experience, with
 which weights it was produced, which checkpoint first contains it), `--weights V` (which
 rollouts used weights V and which steps trained on them), or `--check` (the
 `trained_exactly_once` proof; exit status 1 when it fails). The ledger is brought up to date
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     question = parser.add_mutually_exclusive_group(required=True)
     question.add_argument("--checkpoint", type=int, metavar="N", help="what led to checkpoint N")
-    question.add_argument("--eid", metavar="X", help="where experience X went")
+    question.add_argument("--eid", nargs="+", metavar="X", help="where experiences X... went")
     question.add_argument("--weights", type=int, metavar="V", help="what weights V produced")
     question.add_argument(
         "--check", action="store_true", help="prove every experience was trained exactly once"
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
             if args.checkpoint is not None:
                 answer = checkpoint_lineage(view, args.checkpoint)
             elif args.eid is not None:
-                answer = eid_lineage(view, args.eid)
+                answer = {"eids": eid_lineage(view, args.eid)}
             else:
                 answer = weights_lineage(view, args.weights)
     except (LineageQueryError, FileNotFoundError) as err:
@@ -87,6 +87,22 @@ def main(args: argparse.Namespace) -> int:
 
 def _versions(counts: dict[int, int]) -> str:
     return ", ".join(f"v{v}: {n}" for v, n in counts.items()) or "none"
+
+
+def _eid_text(found: dict[str, Any]) -> str:
+    rollout = found["rollout"] or {}
+    made = (
+        f"produced by weights v{found['model_version']} in explore step "
+        f"{rollout.get('explore_step') or '?'} of {rollout.get('explorer_id', '?')}"
+    )
+    if found["status"] == "unconsumed":
+        return f"{found['eid']}: not consumed yet (above the sampler's cursor); {made}"
+    uses = ", ".join(f"step {u['step']} ({u['kind']})" for u in found["uses"])
+    return (
+        f"{found['eid']}: {found['status']} in {uses}; {made}; first kept checkpoint with it: "
+        f"{found['first_checkpoint']}, first weights on disk with it: "
+        f"{found['first_published_weights']}"
+    )
 
 
 def as_text(answer: dict[str, Any]) -> str:
@@ -110,20 +126,8 @@ def as_text(answer: dict[str, Any]) -> str:
                 f"{entry['trained']} trained from {_versions(entry['by_weights_version'])}"
             )
         return "\n".join(lines)
-    if "eid" in answer:
-        rollout = answer["rollout"] or {}
-        made = (
-            f"produced by weights v{answer['model_version']} in explore step "
-            f"{rollout.get('explore_step', '?')} of {rollout.get('explorer_id', '?')}"
-        )
-        if answer["status"] == "unconsumed":
-            return f"{answer['eid']}: not consumed yet (above the sampler's cursor); {made}"
-        uses = ", ".join(f"step {u['step']} ({u['kind']})" for u in answer["uses"])
-        return (
-            f"{answer['eid']}: {answer['status']} in {uses}; {made}; first kept checkpoint "
-            f"with it: {answer['first_checkpoint']}, first weights on disk with it: "
-            f"{answer['first_published_weights']}"
-        )
+    if "eids" in answer:
+        return "\n".join(_eid_text(found) for found in answer["eids"])
     if "weights_version" in answer:
         v = answer["weights_version"]
         source = "the initial model" if answer["initial_model"] else f"step {v}"

@@ -166,76 +166,84 @@ def _chain(rows: pa.Table, train: pa.Table) -> list[dict[str, Any]]:
     return chain
 
 
-def eid_lineage(view: LedgerView, eid: str) -> dict[str, Any]:
-    """Where experience `eid` went: consumed by which step, produced by which weights."""
+def eid_lineage(view: LedgerView, eids: list[str]) -> list[dict[str, Any]]:
+    """Where each experience of `eids` went: consumed by which step (or waiting above the
+    sampler's cursor), produced by which weights in which rollout, and the first kept
+    checkpoint and weights on disk that contain its effect. Raises LineageQueryError naming
+    the eids found nowhere."""
+    wanted = pa.array(eids, pa.string())
     rows = view.step_rows(
-        ["step", "kind", "model_version", "ingest_seq", "batch_version", "watermark"],
-        ds.field("eid") == eid,
+        ["eid", "step", "kind", "model_version", "ingest_seq"], ds.field("eid").isin(wanted)
     ).sort_by("step")
-    if rows.num_rows == 0:
-        return _unconsumed(view, eid)
-    first = rows.slice(0, 1).to_pylist()[0]
-    rollout = _rollout_of(view, first["ingest_seq"], first["model_version"])
-    uses = [{"step": r["step"], "kind": r["kind"]} for r in rows.to_pylist()]
-    trained = [u["step"] for u in uses if u["kind"] == "train"]
-    effect = min(trained) if trained else None
-    return {
-        "eid": eid,
-        "status": "trained" if trained else "dropped",
-        "uses": uses,
-        "model_version": first["model_version"],
-        "ingest_seq": first["ingest_seq"],
-        "rollout": rollout,
-        "first_checkpoint": (
-            None if effect is None else _first_at_or_after(_kept_checkpoints(view.paths), effect)
-        ),
-        "first_published_weights": (
-            None
-            if effect is None
-            else _first_at_or_after(weights_versions_on_disk(view.paths), effect)
-        ),
-    }
-
-
-def _unconsumed(view: LedgerView, eid: str) -> dict[str, Any]:
-    """An eid no step consumed: written and waiting above the cursor, or unknown."""
-    experiences = open_table(view.paths.experiences)
-    found = (
-        experiences.to_pyarrow_dataset().to_table(
-            columns=["ingest_seq", "model_version"], filter=ds.field("eid") == eid
+    uses: dict[str, list[dict[str, Any]]] = {}
+    produced: dict[str, tuple[int, int]] = {}
+    for row in rows.to_pylist():
+        uses.setdefault(row["eid"], []).append({"step": row["step"], "kind": row["kind"]})
+        produced[row["eid"]] = (row["ingest_seq"], row["model_version"])
+    waiting = [eid for eid in eids if eid not in produced]
+    if waiting:
+        produced.update(_written(view.paths, waiting))
+    if unknown := [eid for eid in eids if eid not in produced]:
+        raise LineageQueryError(
+            f"no experience {', '.join(map(repr, unknown[:5]))}"
+            f"{' and more' if len(unknown) > 5 else ''} in {view.paths.experiences}"
         )
-        if experiences is not None
-        else pa.table({})
-    )
-    if found.num_rows == 0:
-        raise LineageQueryError(f"no experience {eid!r} in {view.paths.experiences}")
-    row = found.to_pylist()[0]
+    rollouts = _rollouts_by_commit(view)
+    checkpoints = _kept_checkpoints(view.paths)
+    weights = weights_versions_on_disk(view.paths)
     cursor = pc.max(view.step_rows(["watermark"]).column("watermark")).as_py()
-    return {
-        "eid": eid,
-        "status": "unconsumed",
-        "uses": [],
-        "model_version": row["model_version"],
-        "ingest_seq": row["ingest_seq"],
-        "cursor": cursor,
-        "rollout": _rollout_of(view, row["ingest_seq"], row["model_version"]),
-        "first_checkpoint": None,
-        "first_published_weights": None,
-    }
+    answers = []
+    for eid in eids:
+        ingest_seq, model_version = produced[eid]
+        trained = [u["step"] for u in uses.get(eid, []) if u["kind"] == "train"]
+        status = "trained" if trained else "dropped" if eid in uses else "unconsumed"
+        effect = min(trained) if trained else None
+        commit = ingest_seq >> SEQ_SHIFT
+        answers.append(
+            {
+                "eid": eid,
+                "status": status,
+                "uses": uses.get(eid, []),
+                "model_version": model_version,
+                "ingest_seq": ingest_seq,
+                "cursor": cursor,
+                "rollout": rollouts.get((commit, model_version)),
+                "first_checkpoint": None
+                if effect is None
+                else _first_at_or_after(checkpoints, effect),
+                "first_published_weights": (
+                    None if effect is None else _first_at_or_after(weights, effect)
+                ),
+            }
+        )
+    return answers
 
 
-def _rollout_of(view: LedgerView, ingest_seq: int, model_version: int) -> dict[str, Any] | None:
-    """The explorer commit that wrote the row with `ingest_seq`."""
-    commit = ingest_seq >> SEQ_SHIFT
-    found = view.rollouts.to_table(
-        columns=["explorer_id", "explore_step"],
-        filter=(ds.field("experiences_version") == commit)
-        & (ds.field("model_version") == model_version),
+def _written(paths: RunPaths, eids: list[str]) -> dict[str, tuple[int, int]]:
+    """(ingest_seq, model_version) of those of `eids` in the experiences table."""
+    experiences = open_table(paths.experiences)
+    if experiences is None:
+        return {}
+    found = experiences.to_pyarrow_dataset().to_table(
+        columns=["eid", "ingest_seq", "model_version"],
+        filter=ds.field("eid").isin(pa.array(eids, pa.string())),
     )
-    if found.num_rows == 0:
-        return None
-    row = found.to_pylist()[0]
-    return {"experiences_version": commit, **row}
+    return {r["eid"]: (r["ingest_seq"], r["model_version"]) for r in found.to_pylist()}
+
+
+def _rollouts_by_commit(view: LedgerView) -> dict[tuple[int, int], dict[str, Any]]:
+    """Each explorer commit (by experiences version and producing weights version)."""
+    table = view.rollouts.to_table(
+        columns=["experiences_version", "explorer_id", "explore_step", "model_version"]
+    )
+    return {
+        (r["experiences_version"], r["model_version"]): {
+            "experiences_version": r["experiences_version"],
+            "explorer_id": r["explorer_id"],
+            "explore_step": r["explore_step"],
+        }
+        for r in table.to_pylist()
+    }
 
 
 def weights_lineage(view: LedgerView, version: int) -> dict[str, Any]:
