@@ -60,17 +60,14 @@ def step_upstream(
     step: int,
     counts: dict[int, int] | None = None,
     batch_version: int | None = None,
-    source_version: int | None = None,
 ) -> dict[str, Any]:
     """`upstream/*` metadata of `train_step[N]`: its batch, its parent step and what is known
-    of the batch (table versions, producing weights versions)."""
+    of the batch (its `batches` table version, its producing weights versions)."""
     found: dict[str, Any] = {"upstream/experience_batch": partition_url(BATCH, step)}
     if step > 1:
         found["upstream/parent_step"] = partition_url(TRAIN, step - 1)
     if batch_version is not None:
         found["upstream/batch_table_version"] = batch_version
-    if source_version is not None:
-        found["upstream/experiences_table_version"] = source_version
     if counts:
         found["upstream/weights_versions"] = weights_table(counts)
     return found

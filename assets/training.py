@@ -129,7 +129,7 @@ class DagsterTrainerHook(TrainerHook):
         self.upstream = (
             step,
             digest,
-            step_upstream(step, version_counts(table), batch.batch_version, batch.source_version),
+            step_upstream(step, version_counts(table), batch.batch_version),
         )
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:

@@ -7,6 +7,8 @@ versions back), appended 50 steps at a time and compacted as it grows, plus one 
 per explore step. Then 50 more steps are pinned into a real `batches` table (and their
 experiences into `experiences`) and `update_ledger` takes them in. The baseline is one plain
 read of every column of the steps table: the cost of looking at the whole ledger once.
+`cli_eid_s` is one whole `trinity-dagster lineage --eid X --json` process (Python start and
+imports included).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import datetime as dt
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -217,6 +221,11 @@ def main() -> None:
         assert ckpt["steps"] == args.steps and not ckpt["missing_steps"], ckpt["missing_steps"]
         assert found["uses"] == [{"step": middle, "kind": "train"}], found
         assert used["trained"] == ROWS and sorted(used["steps"]) == [middle + 1, middle + 2], used
+        command = [sys.executable, "-m", "trinity_dagster.cli", "lineage"]
+        command += ["--run-root", str(paths.root), "--eid", eid, "--json"]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        cli_s = time.perf_counter() - started
         # 50 more steps pinned for real, then taken into the ledger
         pin_more(paths, args.steps + 1, CHUNK)
         started = time.perf_counter()
@@ -235,6 +244,7 @@ def main() -> None:
         "ratio_eid_vs_full_read": round(eid_s / full_read_s, 3),
         "ratio_weights_vs_full_read": round(weights_s / full_read_s, 3),
         f"update_{CHUNK}_steps_s": round(update_s, 4),
+        "cli_eid_s": round(cli_s, 3),
         "goal_query_s": 1.0,
     }
     print(json.dumps(figures))
