@@ -221,17 +221,17 @@ def main() -> None:
         assert ckpt["steps"] == args.steps and not ckpt["missing_steps"], ckpt["missing_steps"]
         assert found["uses"] == [{"step": middle, "kind": "train"}], found
         assert used["trained"] == ROWS and sorted(used["steps"]) == [middle + 1, middle + 2], used
-        command = [sys.executable, "-m", "trinity_dagster.cli", "lineage"]
-        command += ["--run-root", str(paths.root), "--eid", eid, "--json"]
-        started = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True)
-        cli_s = time.perf_counter() - started
         # 50 more steps pinned for real, then taken into the ledger
         pin_more(paths, args.steps + 1, CHUNK)
         started = time.perf_counter()
         update = update_ledger(paths)
         update_s = time.perf_counter() - started
         assert update.steps == (args.steps + 1, args.steps + CHUNK), update
+        command = [sys.executable, "-m", "trinity_dagster.cli", "lineage"]
+        command += ["--run-root", str(paths.root), "--eid", eid, "--json"]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        cli_s = time.perf_counter() - started
     figures = {
         "steps": args.steps,
         "ledger_rows": args.steps * ROWS,

@@ -115,6 +115,9 @@ def test_unknown_questions_fail_with_one_line(
     assert "step 9 has not been trained (newest trained step: 2)" in capsys.readouterr().err
     assert cli.main(["lineage", "--run-root", str(root / "absent"), "--check"]) == 1
     assert "no run root at" in capsys.readouterr().err
+    assert cli.main(["lineage", "--run-root", str(root / "logs"), "--check"]) == 1
+    assert "is not a run root" in capsys.readouterr().err
+    assert not (root / "logs" / "ledger").exists()
 
 
 def test_text_answers_for_people(run: TrinityConfig, capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_paths(config: str | None, run_root: str | None) -> tuple[Any, int]:
-    """The run's layout and its `buffer.reuse_limit`, from a config file or a run root."""
+    """The run's layout and its `buffer.reuse_limit`, from a config file or a run root (its
+    `config.yaml`, else the defaults). Raises FileNotFoundError when it has no experiences
+    table, so that nothing is created in a directory that is not a run root."""
+    from trinity_dagster.buffer.tables import open_table
     from trinity_dagster.config import load_config
     from trinity_dagster.paths import RunPaths
 
@@ -45,12 +48,16 @@ def run_paths(config: str | None, run_root: str | None) -> tuple[Any, int]:
         if not root.is_dir():
             raise FileNotFoundError(f"no run root at {root}")
         written = root / "config.yaml"  # written by `trinity-dagster run` and `demo`
-        if not written.is_file():
-            return RunPaths.of(root), 1
-        cfg = load_config(written, overrides={"run_root": str(root)})
+        cfg = load_config(written if written.is_file() else None, overrides={"run_root": str(root)})
     else:
         cfg = load_config(config)
-    return RunPaths.of_config(cfg), cfg.buffer.reuse_limit
+    paths = RunPaths.of_config(cfg)
+    if open_table(paths.experiences) is None:
+        raise FileNotFoundError(
+            f"no experiences table at {paths.experiences}: {paths.root} is not a run root, or "
+            "its run has not written any experience yet"
+        )
+    return paths, cfg.buffer.reuse_limit
 
 
 def main(args: argparse.Namespace) -> int:

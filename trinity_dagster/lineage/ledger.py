@@ -127,7 +127,9 @@ def _new_step_rows(paths: RunPaths, ledger: DeltaTable) -> pa.Table | None:
     steps = rows.column("step")
     pinned_by = {
         int(step): version
-        for version, step in _commit_metadata(batches, last_pin or -1, PIN_STEP_KEY).items()
+        for version, step in _commit_metadata(
+            batches, -1 if last_pin is None else last_pin, PIN_STEP_KEY
+        ).items()
     }
     step_list = steps.to_pylist()
     watermarks = _watermarks(batches, sorted(set(step_list)))
