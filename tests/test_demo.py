@@ -64,6 +64,10 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     assert min(map(int, summary["rollout_reward"])) == SFT_STEPS + 1  # GRPO steps only
     for line in ("held-out accuracy after SFT", "held-out accuracy after RL", "95% CI"):
         assert line in done.stdout
+    lineage = summary["trained_exactly_once"]
+    assert lineage["passed"] and lineage["steps_trained"] == STEPS, seen
+    assert lineage["experiences_trained"] >= STEPS * 256, seen  # 256 rows a step at least
+    assert "trained_exactly_once passed" in done.stdout
 
     for name in ("dagster_home", "experiences", "batches", "checkpoints", "weights", "logs"):
         assert (root / name).is_dir(), name

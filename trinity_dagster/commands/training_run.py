@@ -5,7 +5,8 @@ of `trinity_dagster.dagster_instance`), starts `dagster-daemon run` headless on 
 workspace, and watches the instance: the daemon's sensors start the trainer and explorer
 loops and the evaluations, exactly as under `dagster dev`. It prints one line per recorded
 explore and train step, fails with the cause when a run fails for good, and ends when the
-trainer finished and the final weights are evaluated. `dagster dev` on the same instance
+trainer finished, the final weights are evaluated and `trained_exactly_once` has checked the
+run's lineage (a failed check fails the command). `dagster dev` on the same instance
 shows the whole history afterwards. SIGINT or SIGTERM stops the daemon, its run workers and
 the run root's engine service (also one still starting) before the command exits.
 """
@@ -38,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
 LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
+LINEAGE_CHECK = ("train_step", "trained_exactly_once")  # assets/lineage.py
 FAILED_TICKS = 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -324,6 +326,20 @@ class Progress:
             return None
         return metadata_values(records[0].asset_materialization)
 
+    def lineage_check(self, since: float) -> dict[str, Any] | None:
+        """`passed` and the metadata of the newest `trained_exactly_once` evaluation made
+        after `since` (a time), once there is one."""
+        dg = self.dg
+        key = dg.AssetCheckKey(dg.AssetKey(LINEAGE_CHECK[0]), LINEAGE_CHECK[1])
+        found = self.instance.event_log_storage.get_latest_asset_check_execution_by_key([key])
+        record = found.get(key)
+        if record is None or record.create_timestamp < since or record.event is None:
+            return None
+        evaluation = record.event.dagster_event.event_specific_data
+        if not isinstance(evaluation, dg.AssetCheckEvaluation):
+            return None  # planned, not evaluated yet
+        return {"passed": evaluation.passed, **metadata_values(evaluation)}
+
     def rollout_rewards(self) -> list[tuple[int, float, bool]]:
         """(explore step, mean reward, demonstrations?) of every rollouts partition, by step."""
         records = self.instance.fetch_materializations(
@@ -372,7 +388,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     progress = Progress(instance, config)
     daemon = start_daemon(paths, workspace_file)
     try:
-        final_version, scored = _watch(progress, daemon, paths)
+        final_version, scored, lineage = _watch(progress, daemon, paths)
     finally:
         ignore_stop_signals()
         stop_run(daemon, paths)
@@ -394,6 +410,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         **rise,
         **accuracy,
         "rollout_reward": {str(step): reward for step, reward in rollouts},
+        "trained_exactly_once": lineage,
         "final_checkpoint": str(final_ckpt) if final_ckpt else None,
         "hf_model": str(hf_model) if hf_model and (hf_model / "config.json").is_file() else None,
         "dagster_home": str(paths.dagster_home),
@@ -408,6 +425,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
                 f"done in {summary['seconds']:.0f} s: {state.step} steps ({state.reason})",
                 reward_line(summary),
                 *accuracy_lines(summary),
+                lineage_line(lineage),
                 f"final checkpoint: {summary['final_checkpoint']}",
                 f"HF model: {summary['hf_model']}",
                 f"summary: {paths.root / 'summary.json'}",
@@ -417,7 +435,20 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         ),
         flush=True,
     )
+    if not lineage["passed"]:
+        raise TrainingRunError(f"trained_exactly_once failed: {lineage['problems']}")
     return summary
+
+
+def lineage_line(check: dict[str, Any]) -> str:
+    """The summary's line on the `trained_exactly_once` check."""
+    if not check["passed"]:
+        return f"trained_exactly_once FAILED: {check['problems']}"
+    return (
+        f"trained_exactly_once passed: {check['experiences_trained']} experiences trained once, "
+        f"{check['experiences_dropped']} dropped as stale, "
+        f"{check['experiences_unconsumed']} not consumed (of {check['experiences_written']})"
+    )
 
 
 REWARD_WINDOW = 25
@@ -491,9 +522,10 @@ def accuracy_lines(summary: dict[str, Any]) -> list[str]:
 
 def _watch(
     progress: Progress, daemon: subprocess.Popen, paths: RunPaths
-) -> tuple[int, dict[int, dict[str, Any]]]:
-    """Print progress until training finished and its evaluations are recorded; returns the
-    final weights version and the evaluation metadata by weights version."""
+) -> tuple[int, dict[int, dict[str, Any]], dict[str, Any]]:
+    """Print progress until training finished and its evaluations and lineage check are
+    recorded; returns the final weights version, the evaluation metadata by weights version
+    and the lineage check's result."""
     from trinity_dagster.checkpoint.layout import latest_weights_version
     from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 
@@ -521,6 +553,7 @@ def _watch(
         if state is not None and state.finished(config.trainer.total_steps):
             final = latest_weights_version(paths) or 0
             scored = {v: progress.evaluation(v) for v in versions_to_evaluate(config, paths, final)}
-            if all(meta is not None for meta in scored.values()):
-                return final, {v: meta for v, meta in scored.items() if meta is not None}
+            lineage = progress.lineage_check(state.updated_at)
+            if lineage is not None and all(meta is not None for meta in scored.values()):
+                return final, {v: meta for v, meta in scored.items() if meta is not None}, lineage
         time.sleep(POLL_S)
