@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -264,7 +265,8 @@ def test_sigterm_stops_the_runs_and_an_engine_still_starting(tmp_path: Path) -> 
 
 
 class _QuietProgress:
-    """A `Progress` with nothing new: no lines, no failure, every evaluation recorded."""
+    """A `Progress` with nothing new: no lines, no failure, every evaluation and the lineage
+    check recorded."""
 
     def __init__(self, config) -> None:
         self.config = config
@@ -280,6 +282,9 @@ class _QuietProgress:
 
     def evaluation(self, version: int) -> dict:
         return {"eval/accuracy": 0.5}
+
+    def lineage_check(self, since: float) -> dict:
+        return {"passed": True}
 
 
 def test_run_says_once_that_training_is_paused(
@@ -303,3 +308,28 @@ def test_run_says_once_that_training_is_paused(
         "trinity-dagster: training is paused at step 2 (paused by request r1.pause.now at "
         "step 2); launch resume_training in the UI to go on"
     ]
+
+
+def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a signal handled inside a garbage-collector callback: Python drops the handler's raise
+    config, _ = tiny_config(tmp_path, {"trainer": {"total_steps": 4}})
+    monkeypatch.setattr(training_run, "POLL_S", 0.05)
+
+    class Collected:
+        pass
+
+    paths = RunPaths.of_config(config)
+
+    class Daemon:
+        def poll(self) -> None:  # without the stop, training ends normally
+            write_trainer_state(paths, "finished", 4, "trained all 4 steps")
+
+    with stop_signals_raise():
+        thing = Collected()
+        weakref.finalize(thing, training_run._raise_stopped, signal.SIGTERM, None)
+        del thing
+        with pytest.raises(StoppedBySignal) as stopped:
+            training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]
+    assert stopped.value.exit_code == 128 + signal.SIGTERM

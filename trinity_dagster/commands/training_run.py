@@ -70,16 +70,29 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+# The stop signal received within `stop_signals_raise`: Python ignores an exception raised in
+# a garbage-collector callback, so a handler's raise can be lost, and the watch loop raises it.
+_received: list[int] = []
+
+
 def _raise_stopped(signum: int, frame: Any) -> None:
     """The handler of SIGINT and SIGTERM within `stop_signals_raise`."""
     ignore_stop_signals()
+    _received.append(signum)
     raise StoppedBySignal(signum)
+
+
+def raise_if_stopped() -> None:
+    """Raise `StoppedBySignal` for a stop signal received whose handler's raise was lost."""
+    if _received:
+        raise StoppedBySignal(_received[0])
 
 
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
     """Within: the first SIGINT or SIGTERM raises `StoppedBySignal`, later ones are ignored;
     the handlers from before come back at the end."""
+    _received.clear()
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
     try:
         yield
@@ -532,6 +545,7 @@ def _watch(
     config = progress.config
     paused_seen: float | None = None
     while True:
+        raise_if_stopped()
         for line in progress.new_lines():
             print(line, flush=True)
         failure = progress.final_failure() or progress.sensor_failure()
