@@ -41,6 +41,7 @@ from resources.run_config import RunConfigResource
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.sampler import PinResult, PinShortfall, pin_batch
 from trinity_dagster.checkpoint.layout import latest_weights_version
+from trinity_dagster.lineage.queries import counts_by
 from trinity_dagster.service.records import read_record
 from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
 from trinity_dagster.trainer import SyncWithheldError, Trainer, TrainerHook
@@ -52,18 +53,6 @@ CHECKS = ("loss_is_finite", "kl_within_bound")
 def batch_table(run_config: RunConfigResource, step: int, pinned: PinResult) -> pa.Table:
     """The train rows of step N's batch (as pinned, or read back from `batches`)."""
     return pinned.rows if pinned.rows is not None else load_step_batch(run_config.config, step)
-
-
-def version_counts(table: pa.Table) -> dict[int, int]:
-    """Rows of a batch per producing weights version."""
-    grouped = table.group_by("model_version").aggregate([("model_version", "count")])
-    return dict(
-        zip(
-            grouped.column("model_version").to_pylist(),
-            grouped.column("model_version_count").to_pylist(),
-            strict=True,
-        )
-    )
 
 
 def batch_metadata(
@@ -129,7 +118,7 @@ class DagsterTrainerHook(TrainerHook):
         self.upstream = (
             step,
             digest,
-            step_upstream(step, version_counts(table), batch.batch_version),
+            step_upstream(step, counts_by(table, "model_version"), batch.batch_version),
         )
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:

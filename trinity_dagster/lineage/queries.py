@@ -2,8 +2,8 @@
 
 - `checkpoint_lineage(N)`: the steps 1..N that led to checkpoint N, each with its batch and
   the weights versions that produced its experiences, back to the initial model (version 0);
-- `eid_lineage(X)`: which step consumed experience X, which weights and rollout produced it,
-  and the first kept checkpoint and published weights that contain its effect;
+- `eid_lineage(X...)`: which step consumed each experience, which weights and rollout
+  produced it, and the first kept checkpoint and published weights that contain its effect;
 - `weights_lineage(V)`: which rollouts used weights V and which steps trained on them.
 
 Staleness of a trained experience is `(step - 1) - model_version`: how many versions older
@@ -27,6 +27,7 @@ from trinity_dagster.checkpoint.layout import (
     scan_step_dirs,
     weights_versions_on_disk,
 )
+from trinity_dagster.checkpoint.manifest import MANIFEST_FILE
 from trinity_dagster.lineage.ledger import ROLLOUTS_SCHEMA, STEPS_SCHEMA
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.records import recorded_steps
@@ -65,7 +66,7 @@ def _dataset(location: str, schema: pa.Schema) -> ds.Dataset:
     return table.to_pyarrow_dataset()
 
 
-def _counts(table: pa.Table, key: str) -> dict[int, int]:
+def counts_by(table: pa.Table, key: str) -> dict[int, int]:
     """Rows per value of the integer column `key`, in ascending order of the value."""
     if table.num_rows == 0:
         return {}
@@ -82,7 +83,7 @@ def _kept_checkpoints(paths: RunPaths) -> list[int]:
     return [
         entry.step
         for entry in scan_step_dirs(paths.checkpoints)
-        if entry.kind == "final" and (entry.path / "manifest.json").is_file()
+        if entry.kind == "final" and (entry.path / MANIFEST_FILE).is_file()
     ]
 
 
@@ -96,7 +97,7 @@ def checkpoint_lineage(view: LedgerView, step: int) -> dict[str, Any]:
         raise LineageQueryError(f"checkpoint {step}: checkpoints are of steps >= 1")
     trained = recorded_steps(view.paths)
     ckpt = checkpoint_dir(view.paths, step)
-    on_disk = (ckpt / "manifest.json").is_file()
+    on_disk = (ckpt / MANIFEST_FILE).is_file()
     if step not in trained and not on_disk:
         raise LineageQueryError(
             f"step {step} has not been trained (newest trained step: {max(trained, default=0)})"
@@ -119,7 +120,7 @@ def checkpoint_lineage(view: LedgerView, step: int) -> dict[str, Any]:
         "steps_without_record": [s for s in range(1, step + 1) if s not in trained],
         "experiences_trained": train.num_rows,
         "experiences_dropped": rows.num_rows - train.num_rows,
-        "by_weights_version": _counts(train, "model_version"),
+        "by_weights_version": counts_by(train, "model_version"),
         "staleness_min": pc.min(staleness).as_py(),
         "staleness_max": pc.max(staleness).as_py(),
         "chain": chain,
@@ -254,7 +255,7 @@ def weights_lineage(view: LedgerView, version: int) -> dict[str, Any]:
     ).sort_by("experiences_version")
     used = view.step_rows(["step", "kind"], ds.field("model_version") == version)
     train = used.filter(pc.equal(used.column("kind"), "train"))
-    trained_by_step = _counts(train, "step")
+    trained_by_step = counts_by(train, "step")
     return {
         "weights_version": version,
         "produced_by_step": version if version > 0 else None,
