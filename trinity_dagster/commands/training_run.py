@@ -99,6 +99,7 @@ def stop_signals_raise() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _received.clear()
 
 
 def metadata_values(event: Any) -> dict[str, Any]:
