@@ -18,9 +18,8 @@ import trinity_dagster.commands.training_run as training_run
 from tests.dagster_dev_helpers import REPO_ROOT, processes_with_env
 from tests.run_helpers import tiny_config
 from trinity_dagster.buffer.end_of_data import end_of_data, mark_end_of_data
+from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.commands.training_run import (
-    StoppedBySignal,
-    TrainingRunError,
     accuracy_lines,
     engine_processes,
     extend_finished_run,

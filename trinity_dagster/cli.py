@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from trinity_dagster.commands.training_run import StoppedBySignal, TrainingRunError
+from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.config import ConfigError
 
 # subcommand -> (module, one-line help)

@@ -26,6 +26,7 @@ from statistics import fmean, variance
 from typing import TYPE_CHECKING, Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
+from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
 from trinity_dagster.paths import RunPaths
@@ -42,26 +43,6 @@ LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
 LINEAGE_CHECK = ("train_step", "trained_exactly_once")  # assets/lineage.py
 FAILED_TICKS = 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class TrainingRunError(RuntimeError):
-    """A run of the graph failed for good, or the daemon stopped; the message says which."""
-
-
-class StoppedBySignal(Exception):
-    """SIGINT or SIGTERM stopped the command; what it started is stopped once this reaches
-    the caller."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name}: daemon, runs and engine stopped"
-        )
-
-    @property
-    def exit_code(self) -> int:
-        """The status of a process that the signal ended (130 for SIGINT, 143 for SIGTERM)."""
-        return 128 + self.signum
 
 
 def ignore_stop_signals() -> None:
