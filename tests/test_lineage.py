@@ -238,3 +238,14 @@ def test_the_benchmark_builds_a_ledger_and_answers_from_it() -> None:
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["steps"] == 120 and figures["ledger_rows"] == 120 * 256
     assert {"query_checkpoint_s", "query_eid_s", "query_weights_s"} <= figures.keys()
+
+
+def test_a_run_root_named_relatively_with_its_config_yaml(
+    run: TrinityConfig, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `run` and `demo` write the config they ran with, its run_root as the user gave it
+    root = Path(run.run_root)
+    (root / "config.yaml").write_text("run_root: run\nbuffer: {reuse_limit: 1}\n")
+    monkeypatch.chdir(root.parent)
+    code, answer = lineage(capsys, Path("run"), "--check")
+    assert code == 0 and answer["passed"] and answer["steps_trained"] == 2

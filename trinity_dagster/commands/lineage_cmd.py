@@ -48,7 +48,9 @@ def run_paths(config: str | None, run_root: str | None) -> tuple[Any, int]:
         if not root.is_dir():
             raise FileNotFoundError(f"no run root at {root}")
         written = root / "config.yaml"  # written by `trinity-dagster run` and `demo`
-        cfg = load_config(written if written.is_file() else None, overrides={"run_root": str(root)})
+        cfg = load_config(
+            written if written.is_file() else None, overrides={"run_root": str(root.resolve())}
+        )
     else:
         cfg = load_config(config)
     paths = RunPaths.of_config(cfg)
@@ -92,8 +94,16 @@ def main(args: argparse.Namespace) -> int:
     return 1 if args.check and not answer["passed"] else 0
 
 
+SHOWN_VERSIONS = 8  # a longer list of weights versions is summarised in text (--json has all)
+
+
 def _versions(counts: dict[int, int]) -> str:
-    return ", ".join(f"v{v}: {n}" for v, n in counts.items()) or "none"
+    if len(counts) <= SHOWN_VERSIONS:
+        return ", ".join(f"v{v}: {n}" for v, n in counts.items()) or "none"
+    most = sorted(counts.items(), key=lambda item: -item[1])[:3]
+    return f"{len(counts)} versions (v{min(counts)}..v{max(counts)}); most rows from " + ", ".join(
+        f"v{v}: {n}" for v, n in most
+    )
 
 
 def _eid_text(found: dict[str, Any]) -> str:
@@ -129,7 +139,8 @@ def as_text(answer: dict[str, Any]) -> str:
         for entry in answer["chain"][-5:]:
             lines.append(
                 f"  step {entry['step']} <- step {entry['parent']}: batch table v"
-                f"{entry['batch_version']} (experiences v{entry['source_version']}), "
+                f"{entry['batch_version'] if entry['batch_version'] is not None else '?'} "
+                f"(experiences v{entry['source_version']}), "
                 f"{entry['trained']} trained from {_versions(entry['by_weights_version'])}"
             )
         return "\n".join(lines)
