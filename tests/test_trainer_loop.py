@@ -107,7 +107,7 @@ class FakeEngine(TrainEngineWrapper):
         self.synced = self.step
         return {"version": self.step}
 
-    def sync_weight(self) -> dict[str, Any]:
+    def sync_weight_nccl(self) -> dict[str, Any]:
         raise AssertionError("sync_method nccl is not configured")
 
     def upload_state_dict(self) -> dict[str, Any]:

@@ -293,6 +293,12 @@ class SynchronizerConfig(_Section):
     )
     keep_synced_weights: int = Field(default=2, ge=1, description="Sync-only weight dirs kept.")
 
+    @field_validator("sync_method", mode="before")
+    @classmethod
+    def _method_any_case(cls, value: object) -> object:
+        """Trinity writes the method in any case (`NCCL`, `Checkpoint`)."""
+        return value.lower() if isinstance(value, str) else value
+
 
 class MegatronConfig(_Section):
     """Megatron-core parallelism and implementation choices."""
@@ -572,13 +578,6 @@ class TrinityConfig(_Section):
                 "'cosine' decays to min_lr at trainer.total_steps, which is unset (train until "
                 "the data ends); use 'constant' or set trainer.total_steps",
             )
-        if self.synchronizer.sync_method in _UNIMPLEMENTED_SYNC_METHODS:
-            raise _at(
-                "synchronizer.sync_method",
-                f"{self.synchronizer.sync_method!r} is not implemented yet "
-                f"({_UNIMPLEMENTED_SYNC_METHODS[self.synchronizer.sync_method]}); "
-                "use 'checkpoint'",
-            )
         if self.synchronizer.sync_method == "memory":
             self._check_memory_sync()
         self._check_service_layout()
@@ -642,11 +641,6 @@ class TrinityConfig(_Section):
     def to_yaml(self) -> str:
         """The full resolved configuration as YAML."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-_UNIMPLEMENTED_SYNC_METHODS = {
-    "nccl": "collective weight transfer needs the GPU path",
-}
 
 
 class _KeyPathError(ValueError):

@@ -28,6 +28,8 @@ from trinity_dagster.explorer.rewards import get_reward_fn
 from trinity_dagster.explorer.tasks import Task, TaskSet, load_taskset
 from trinity_dagster.explorer.tokenizer import decode_response, encode_prompt, load_tokenizer
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.weight_sync.announce import announced_version
+from trinity_dagster.weight_sync.receiver import Received, receive_weights
 
 
 def derive_seed(*parts: object) -> int:
@@ -70,12 +72,15 @@ class Explorer:
         )
         self._model: PreTrainedModel | None = None
         self.loaded_version: int | None = None
+        self.last_received: Received | None = None  # the newest collective transfer
 
     def policy(self, version: int) -> PreTrainedModel:
         """The model of weights `version`, loaded only if another version is loaded now.
 
         Under `synchronizer.sync_method: memory` a version held in shared memory is copied
-        into the loaded model in place; any other version is loaded from its HF directory.
+        into the loaded model in place, and under `nccl` the version the engine service holds
+        is received into it over a collective group; any other version is loaded from its HF
+        directory.
         """
         if self._model is None or self.loaded_version != version:
             self._model = self._load(version)
@@ -85,13 +90,25 @@ class Explorer:
     def _load(self, version: int) -> PreTrainedModel:
         """The model with weights `version`: the loaded one updated from shared memory, or
         a fresh one from the version's HF directory."""
-        memory = self.config.synchronizer.sync_method == "memory"
-        if memory and version in shm_versions(self.paths):
+        method = self.config.synchronizer.sync_method
+        if method == "memory" and version in shm_versions(self.paths):
             model = self._model or load_policy(self.paths, latest_weights_version(self.paths) or 0)
             copy_weights_into(model, read_shm_weights(self.paths, version))
             return model
+        if method == "nccl" and version == announced_version(self.paths):
+            return self._receive(version)
         self._model = None  # free the old model before loading the next
         return load_policy(self.paths, version)
+
+    def _receive(self, version: int) -> PreTrainedModel:
+        """The loaded model with weights `version` received from the engine service in place;
+        a failed transfer leaves no model loaded (part of it may have changed)."""
+        model = self._model or load_policy(self.paths, latest_weights_version(self.paths) or 0)
+        self._model, self.loaded_version = None, None
+        self.last_received = receive_weights(
+            self.paths, version, model.state_dict(), self.explorer_id
+        )
+        return model
 
     def sample_tasks(self, step: int) -> list[Task]:
         """The tasks of explore step `step` (a function of `explorer.seed` and `step`).

@@ -37,6 +37,7 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.control import paused_by
 from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.sync_requests import is_answered, request_sync
+from trinity_dagster.weight_sync.announce import announced_version
 
 # between looks for new weights: a few file reads, so 5 ms costs ~1% of a core and keeps
 # the hand-off from the trainer within a few ms (bench daemon)
@@ -171,8 +172,11 @@ class ExplorerLoop:
 
     def _latest_version(self) -> int:
         """The newest weights version this explorer can load (0 if none is published yet)."""
-        memory = self.config.synchronizer.sync_method == "memory"
-        return newest_weights_version(self.paths, memory=memory) or 0
+        method = self.config.synchronizer.sync_method
+        newest = newest_weights_version(self.paths, memory=method == "memory") or 0
+        if method == "nccl":
+            return max(newest, announced_version(self.paths) or 0)
+        return newest
 
     def _request_sync(self, have_version: int) -> str | None:
         """Ask the trainer for newer weights and wait for the answer (explorer-driven)."""

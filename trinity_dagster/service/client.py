@@ -104,6 +104,15 @@ class EngineClient:
         """Make sure the weights of step N are in shared memory for local explorers."""
         return self._call("POST", "/upload_weights", {"step": step})
 
+    def stage_weights(self, step: int) -> dict[str, Any]:
+        """Make sure the weights of step N are held for collective transfers to explorers."""
+        return self._call("POST", "/stage_weights", {"step": step})
+
+    def weights_transfer(self, version: int, receiver: str) -> dict[str, Any]:
+        """Start a collective transfer of held weights `version` to `receiver`; returns the
+        group to join and the layout of what comes."""
+        return self._call("POST", "/weights/transfer", {"version": version, "receiver": receiver})
+
     def shutdown(self) -> dict[str, Any]:
         """Ask the service to finish pending saves and exit."""
         return self._call("POST", "/shutdown")

@@ -9,9 +9,10 @@ Order rules for `train_step(N)` with the engine at step S:
 - N > S + 1: allowed only if steps S+1..N-1 were trained before (their records exist, as
   after a crash and a restart from an older checkpoint): they are replayed from their pinned
   batches first and reported in `replayed`; otherwise refused, naming the steps.
-`save_checkpoint(N)`, `sync_weight(N)` and `upload_weights(N)` with nothing of step N on
-disk and the engine behind N replay the recorded steps up to N the same way first, so a
-command repeated after a crash gives the result it would have given without it.
+`save_checkpoint(N)`, `sync_weight(N)`, `upload_weights(N)` and `stage_weights(N)` with
+nothing of step N on disk (or held) and the engine behind N replay the recorded steps up to N
+the same way first, so a command repeated after a crash gives the result it would have given
+without it.
 Training a step does not save or sync: the trainer loop (`trinity_dagster.trainer.Trainer`)
 decides that and sends `save_checkpoint` and `sync_weight` for the step the engine is at.
 A step's record lists the health problems (`step_checks`) that keep its weights from
@@ -72,7 +73,10 @@ from trinity_dagster.service.records import (
     unrecorded_span,
     write_record,
 )
+from trinity_dagster.service.state import advertised_host
 from trinity_dagster.step_checks import sync_blockers
+from trinity_dagster.weight_sync import announce
+from trinity_dagster.weight_sync.sender import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +103,12 @@ class EngineHost:
         self.save_error: str | None = None
         version = newest_weights_version(paths, memory=self._memory_sync())
         self.last_sync_step = 0 if version is None else version
+        self.weight_sender: WeightSender | None = None
+        if self.rank == 0 and config.synchronizer.sync_method == "nccl":
+            host = config.service.host
+            self.weight_sender = WeightSender(
+                host, advertised_host(host), config.synchronizer.sync_timeout
+            )
         self._status: dict[str, Any] = {}
         self._refresh_status()
 
@@ -145,13 +155,17 @@ class EngineHost:
         return {**self._status, "training_step": training, "since_progress_s": since}
 
     def close(self) -> None:
-        """Wait for pending saves, then release the engine and the shared-memory weights."""
+        """Wait for pending saves, then release the engine, the shared-memory weights and
+        the collective sync's held versions."""
         try:
             self.checkpoints.wait_all()
         finally:
             self.engine.close()
             if self.rank == 0 and self._memory_sync():
                 remove_shm_dir(self.paths)
+            if self.weight_sender is not None:
+                announce.withdraw(self.paths)
+                self.weight_sender.close()
 
     def execute(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run one command; rank 0's return value is the reply."""
@@ -160,6 +174,7 @@ class EngineHost:
             "save_checkpoint": self.save_checkpoint,
             "sync_weight": self.sync_weight,
             "upload_weights": self.upload_weights,
+            "stage_weights": self.stage_weights,
         }
         if op not in handlers:
             raise BadRequestError(f"unknown command {op!r}; known: {', '.join(handlers)}")
@@ -266,6 +281,29 @@ class EngineHost:
         if self.world_size > 1:
             dist.barrier()
         return self._shm_info(step)
+
+    def stage_weights(self, step: int) -> dict[str, Any]:
+        """Make sure weights version N are held for collective transfers (sync_method
+        `nccl`), packed now if the engine is at N; rank 0 announces them to explorers."""
+        if self.weight_sender is not None and step in self.weight_sender.versions():
+            return self._staged_info(step)
+        if self.config.synchronizer.sync_method != "nccl":
+            raise BadRequestError("stage_weights needs synchronizer.sync_method nccl")
+        self._refuse_withheld(step)
+        self._replay_up_to(step, f"cannot stage weights of step {step}")
+        if self.engine.step != step:
+            raise StepConflictError(
+                f"weights of step {step} are not held and the engine is at step "
+                f"{self.engine.step}; they can only be staged right after training step {step}"
+            )
+        tensors = self.engine.hf_state_dict()
+        if self.weight_sender is not None:
+            self.weight_sender.stage(step, tensors)
+            announce.announce(self.paths, step)
+        self.last_sync_step = step
+        if self.world_size > 1:
+            dist.barrier()
+        return self._staged_info(step)
 
     # --- internals --------------------------------------------------------------------
     def _replay_up_to(self, step: int, refusal: str) -> list[int]:
@@ -409,6 +447,16 @@ class EngineHost:
         size = path.stat().st_size if self.rank == 0 else 0
         return {"version": step, "pending": False, "path": str(path), "size_bytes": size}
 
+    def _staged_info(self, step: int) -> dict[str, Any]:
+        info: dict[str, Any] = {"version": step, "pending": False, "method": "nccl"}
+        if self.weight_sender is not None:
+            info.update(
+                size_bytes=self.weight_sender.layout_bytes(step),
+                address=self.weight_sender.address,
+                port=self.weight_sender.port,
+            )
+        return info
+
     def _memory_sync(self) -> bool:
         return self.config.synchronizer.sync_method == "memory"
 
@@ -426,4 +474,5 @@ class EngineHost:
             "config_hash": self.config.resolved_hash(),
             "started_at": self.started_at,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "weight_sync": None if self.weight_sender is None else self.weight_sender.status(),
         }

@@ -56,7 +56,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         bus = CommandBus()
         sock = bind_socket(config.service.host, config.service.port)
-        app = build_app(bus, read_token(paths), host.status, config.service.request_timeout_s)
+        sender = host.weight_sender
+        app = build_app(
+            bus,
+            read_token(paths),
+            host.status,
+            config.service.request_timeout_s,
+            transfers=None if sender is None else sender.open_transfer,
+        )
         server = ControlServer(app, sock)
         server.start()
         signal.signal(signal.SIGTERM, lambda *_: bus.request_shutdown())
@@ -69,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             world_size=host.world_size,
             config_hash=config.resolved_hash(),
             log_file=str(paths.logs / "engine.log"),
+            weight_sync_port=None if sender is None else sender.port,
         )
         write_state(paths, state)
         log.info("engine service ready at %s (step %d)", state.url, host.engine.step)

@@ -53,6 +53,13 @@ class SyncWeightRequest(_Request):
     step: WeightsStep
 
 
+class WeightsTransferRequest(_Request):
+    """Send held weights `version` to the explorer `receiver` over a collective group."""
+
+    version: WeightsStep
+    receiver: str = Field(min_length=1, max_length=200)
+
+
 class CommandError(Exception):
     """A command the engine refused or failed; `status` is the HTTP status to answer with."""
 

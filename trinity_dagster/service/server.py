@@ -41,8 +41,10 @@ from trinity_dagster.service.protocol import (
     TOKEN_HEADER,
     CommandError,
     SaveCheckpointRequest,
+    StepConflictError,
     SyncWeightRequest,
     TrainStepRequest,
+    WeightsTransferRequest,
     error_payload,
 )
 from trinity_dagster.service.state import check_token
@@ -156,13 +158,22 @@ def _invalid_request(request: Request, err: RequestValidationError) -> JSONRespo
     return JSONResponse(status_code=422, content={**error_payload(err, ""), "error": message})
 
 
+Transfers = Callable[[int, str], dict[str, Any]]
+
+
 def build_app(
-    bus: CommandBus, token: str, status: Callable[[], dict[str, Any]], timeout: float
+    bus: CommandBus,
+    token: str,
+    status: Callable[[], dict[str, Any]],
+    timeout: float,
+    transfers: Transfers | None = None,
 ) -> FastAPI:
     """The FastAPI application of the control API.
 
     The token is checked before anything reads a request (unauthenticated bodies are never
     read), bodies over `MAX_BODY_BYTES` get 413, and only JSON bodies are accepted.
+    `transfers(version, receiver)` starts a collective weights transfer (sync_method `nccl`);
+    it runs beside the command loop, so an explorer is served while a step trains.
     """
     app = FastAPI(
         title="trinity-dagster engine service",
@@ -201,6 +212,22 @@ def build_app(
     @app.post("/upload_weights")
     def upload_weights(req: SyncWeightRequest) -> dict[str, Any]:
         return run("upload_weights", req.model_dump())
+
+    @app.post("/stage_weights")
+    def stage_weights(req: SyncWeightRequest) -> dict[str, Any]:
+        return run("stage_weights", req.model_dump())
+
+    @app.post("/weights/transfer")
+    def weights_transfer(req: WeightsTransferRequest) -> dict[str, Any]:
+        if transfers is None:
+            raise StepConflictError(
+                "this engine service does not send weights over a collective "
+                "(synchronizer.sync_method is not nccl)"
+            )
+        try:
+            return transfers(req.version, req.receiver)
+        except LookupError as err:
+            raise StepConflictError(str(err)) from err
 
     @app.post("/shutdown")
     def shutdown() -> dict[str, Any]:

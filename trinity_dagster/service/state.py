@@ -2,7 +2,8 @@
 
 service/token        random secret, mode 0600; every control call must carry it
 service/state.json   pids, process groups, machine, host, port, world size, config hash of
-                     the service (written by rank 0, on whichever node it runs)
+                     the service, the port of its collective weight sync's rendezvous
+                     (written by rank 0, on whichever node it runs)
 service/config.yaml  the resolved configuration the service was started with
 """
 
@@ -83,6 +84,7 @@ class ServiceState:
     config_hash: str
     log_file: str
     node: str = field(default_factory=socket.gethostname)  # the machine rank 0 runs on
+    weight_sync_port: int | None = None  # the collective sync's rendezvous store (nccl)
 
     @property
     def is_local(self) -> bool:

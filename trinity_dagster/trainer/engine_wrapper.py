@@ -29,7 +29,7 @@ from trinity_dagster.service.launcher import (
     replace_silent,
     stop_service,
 )
-from trinity_dagster.service.state import ServiceState, read_token
+from trinity_dagster.service.state import ServiceState, read_state, read_token
 
 T = TypeVar("T")
 POLL_S = 0.2
@@ -67,8 +67,9 @@ class TrainEngineWrapper(ABC):
         """Save a full checkpoint of the current step (in the background unless blocking)."""
 
     @abstractmethod
-    def sync_weight(self) -> dict[str, Any]:
-        """Send the current weights to explorers over a collective (sync_method `nccl`)."""
+    def sync_weight_nccl(self) -> dict[str, Any]:
+        """Hold the current weights for explorers to receive over a collective group
+        (sync_method `nccl`)."""
 
     @abstractmethod
     def upload_state_dict(self) -> dict[str, Any]:
@@ -165,8 +166,24 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         self._last_sync_step = step
         return info
 
-    def sync_weight(self) -> dict[str, Any]:
-        raise NotImplementedError("sync_method 'nccl' is not implemented yet (GPU path)")
+    def sync_weight_nccl(self) -> dict[str, Any]:
+        step = self._step
+        info = self._call(lambda c: c.stage_weights(step))
+        self._last_sync_step = step
+        return info
+
+    def get_weight_sync_info(self) -> dict[str, Any]:
+        """Where explorers join the collective weight sync (Trinity's name): the service's
+        rendezvous address and port from its state file, its backend and held versions."""
+        status = self.refresh().get("weight_sync")
+        if status is None:
+            raise ValueError(
+                "the engine service does not send weights over a collective "
+                f"(synchronizer.sync_method is {self.config.synchronizer.sync_method!r})"
+            )
+        state = read_state(RunPaths.of_config(self.config))
+        port = None if state is None else state.weight_sync_port
+        return {**status, "port": port if port is not None else status["port"]}
 
     def upload_state_dict(self) -> dict[str, Any]:
         step = self._step

@@ -318,7 +318,7 @@ class Trainer:
         elif method == "memory":
             info = self.engine.upload_state_dict()
         else:
-            info = self.engine.sync_weight()
+            info = self.engine.sync_weight_nccl()
         self.last_sync_step = step
         return info
 
@@ -369,11 +369,11 @@ class Trainer:
         return True
 
     def _publish_final_weights(self) -> None:
-        """Under sync_method `memory`, also publish the last synced weights on disk if they
-        are the final step's: shared memory goes with the engine service, and evaluations and
-        later explorers read the files."""
-        memory = self.config.synchronizer.sync_method == "memory"
-        if memory and self.train_step_num > 0 and self.last_sync_step == self.train_step_num:
+        """Under sync_method `memory` or `nccl`, also publish the last synced weights on disk
+        if they are the final step's: versions held in memory go with the engine service, and
+        evaluations and later explorers read the files."""
+        in_memory = self.config.synchronizer.sync_method in ("memory", "nccl")
+        if in_memory and self.train_step_num > 0 and self.last_sync_step == self.train_step_num:
             self.engine.save_state_dict()
 
     def _log_final_model(self) -> None:
