@@ -56,13 +56,15 @@ SETTINGS = {
 }
 
 
-def write_config(root: Path, tables_root: str | None = None) -> Path:
-    """The test's configuration with its run root (and `buffer.tables_root`) under `root`."""
+def write_config(root: Path, tables_root: str | None = None, extra: dict | None = None) -> Path:
+    """The test's configuration with its run root (and `buffer.tables_root`) under `root`,
+    `extra` merged in."""
     root.mkdir(parents=True, exist_ok=True)
     file = root / "config.yaml"
     settings = merge(TINY, {**SETTINGS, "run_root": str(root / "run")})
     if tables_root is not None:
         settings = merge(settings, {"buffer": {"tables_root": tables_root}})
+    settings = merge(settings, extra or {})
     file.write_text(yaml.safe_dump(settings))
     return file
 
@@ -282,3 +284,37 @@ def test_killed_daemon_then_restarted_dagster_dev_finishes(loop: Loop, reference
     loop.wait("the trainer to finish after the restart", loop.finished)
     loop.check_exactly_once()
     assert final_weights(loop.paths) == reference
+
+
+def test_nccl_sync_with_a_killed_engine_trains_to_the_reference_weights(
+    tmp_path: Path, reference: bytes
+) -> None:
+    """`sync_method: NCCL` through `trinity-dagster run` (the real daemon, explorer and trainer
+    in run workers of their own): every version reaches the explorer over the collective group,
+    nothing is written per sync, and the final weights are bit-identical to the checkpoint-synced
+    reference, although engine rank 0 (and the versions it held) is killed mid-run."""
+    config_file = write_config(tmp_path, extra={"synchronizer": {"sync_method": "NCCL"}})
+    paths = RunPaths.of(load_config(config_file).run_root)
+    command = [str(Path(sys.executable).parent / "trinity-dagster"), "run", "-c", str(config_file)]
+    log = (tmp_path / "run.log").open("w")
+    run = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + LOOP_TIMEOUT_S
+        while read_record(paths, 4) is None:
+            assert run.poll() is None and time.monotonic() < deadline, tmp_path / "run.log"
+            time.sleep(0.2)
+        engine = read_state(paths)
+        assert engine is not None and engine.weight_sync_port is not None
+        os.kill(engine.pid, signal.SIGKILL)
+        assert run.wait(timeout=LOOP_TIMEOUT_S) == 0, (tmp_path / "run.log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
+            run.wait(timeout=60)
+        log.close()
+        stop_service(paths)
+    assert final_weights(paths) == reference
+    assert [d.step for d in scan_step_dirs(paths.weights)] == [0]  # no file per sync
+    rows = DeltaTable(paths.experiences).to_pyarrow_table(columns=["model_version"])
+    sft = SETTINGS["trainer"]["sft_warmup_steps"]
+    assert set(range(sft, TOTAL_STEPS)) <= set(rows.column("model_version").to_pylist())

@@ -19,6 +19,7 @@ slow trainer.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Collection
 from statistics import fmean
@@ -38,10 +39,14 @@ from trinity_dagster.trainer.control import paused_by
 from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.sync_requests import is_answered, request_sync
 from trinity_dagster.weight_sync.announce import announced_version
+from trinity_dagster.weight_sync.receiver import WeightSyncError
+
+log = logging.getLogger(__name__)
 
 # between looks for new weights: a few file reads, so 5 ms costs ~1% of a core and keeps
 # the hand-off from the trainer within a few ms (bench daemon)
 POLL_S = 0.005
+RECEIVE_TRIES = 3
 ALREADY_IN_TABLE = "already in the experiences table"
 
 
@@ -118,12 +123,10 @@ class ExplorerLoop:
                 config, config.buffer.train_batch_size, seed=step, model_version=version
             )
         else:
-            waited = self._wait_for_weights(step)
-            if isinstance(waited, str):
-                return waited
-            version = waited
-            marks.append(time.perf_counter())
-            rows = self.explorer.explore(step, version)
+            explored = self._explore(step, marks)
+            if isinstance(explored, str):
+                return explored
+            version, rows = explored
         marks.append(time.perf_counter())
         self._writing_version = version
         report = self._writer.write(rows, explore_step=step)
@@ -149,6 +152,26 @@ class ExplorerLoop:
         if not demonstrations and self._asks_for_sync(step):
             return self._request_sync(version)
         return None
+
+    def _explore(self, step: int, marks: list[float]) -> tuple[int, list[dict[str, Any]]] | str:
+        """(weights version, rows) of explore step E, or why the loop stops.
+
+        A collective transfer that fails (the engine service died mid-way, a damaged
+        bucket) is tried again with the weights then available, up to `RECEIVE_TRIES` times.
+        """
+        for attempt in range(1, RECEIVE_TRIES + 1):
+            waited = self._wait_for_weights(step)
+            if isinstance(waited, str):
+                return waited
+            if attempt == 1:
+                marks.append(time.perf_counter())
+            try:
+                return waited, self.explorer.explore(step, waited)
+            except WeightSyncError as err:
+                if attempt == RECEIVE_TRIES:
+                    raise
+                log.warning("explore step %d: %s; waiting for weights again", step, err)
+        raise AssertionError("RECEIVE_TRIES is at least 1")
 
     def _asks_for_sync(self, step: int) -> bool:
         sync = self.config.synchronizer

@@ -452,6 +452,7 @@ class EngineHost:
         if self.weight_sender is not None:
             info.update(
                 size_bytes=self.weight_sender.layout_bytes(step),
+                backend=self.weight_sender.backend,
                 address=self.weight_sender.address,
                 port=self.weight_sender.port,
             )

@@ -48,6 +48,7 @@ from trinity_dagster.trainer.control import ControlRequest
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
 from trinity_dagster.trainer.run_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, pending_requests
+from trinity_dagster.weight_sync.announce import announced_version
 
 log = logging.getLogger(__name__)
 
@@ -477,6 +478,8 @@ class Trainer:
     def _sync_due(self, requests: list[SyncRequest]) -> bool:
         sync = self.config.synchronizer
         step = self.train_step_num
+        if self._held_weights_lost():
+            return True
         return rules.need_sync(
             step,
             sync_interval=sync.sync_interval,
@@ -484,6 +487,17 @@ class Trainer:
             style=sync.sync_style,
             explorer_requested=any(r.have_version < step for r in requests),
         )
+
+    def _held_weights_lost(self) -> bool:
+        """Under sync_method `nccl`: the current step's synced weights lived in an engine
+        service that is gone (killed, restarted), and no file holds them: explorers waiting
+        for them would wait forever, so they are held again."""
+        step = self.train_step_num
+        if self.config.synchronizer.sync_method != "nccl" or not 0 < self.last_sync_step == step:
+            return False
+        if announced_version(self.paths) == step:
+            return False
+        return (latest_weights_version(self.paths) or 0) < step
 
     def _refuse_withheld(self, step: int) -> None:
         problems = self._health_problems(step)

@@ -2,8 +2,9 @@
 holds for collective sync, so explorers learn of a version with one small file read.
 
 The file names the service's rank-0 pid. It counts only while the service state file names
-the same pid: a service that died (its held versions with it) or stopped announces nothing,
-and explorers wait for the trainer's next sync. No torch here.
+the same pid and, on rank 0's machine, that process lives: a service that died (its held
+versions with it) or stopped announces nothing, explorers wait, and the trainer holds its
+newest weights again (`Trainer` checks `announced_version`). No torch here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.state import read_state
+from trinity_dagster.service.state import pid_alive, read_state
 
 ANNOUNCE_FILE = "collective_weights.json"
 
@@ -47,5 +48,7 @@ def announced_version(paths: RunPaths) -> int | None:
         return None
     state = read_state(paths)
     if state is None or state.pid != data.get("pid"):
+        return None
+    if state.is_local and not pid_alive(state.pid):
         return None
     return int(data["version"])

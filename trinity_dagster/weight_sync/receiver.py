@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import EngineClient
+from trinity_dagster.service.client import (
+    EngineClient,
+    EngineError,
+    EngineTimeout,
+    EngineUnreachable,
+)
 from trinity_dagster.service.state import read_state, read_token
 from trinity_dagster.weight_sync.buckets import Layout, TensorSlot, checksum, tensor_view
 from trinity_dagster.weight_sync.group import (
@@ -56,8 +61,13 @@ def request_transfer(paths: RunPaths, version: int, receiver: str) -> dict[str, 
             f"no engine service runs for {paths.root}: weights version {version} cannot be "
             "received over the collective"
         )
-    with EngineClient(state.url, read_token(paths)) as client:
-        return client.weights_transfer(version, receiver)
+    try:
+        with EngineClient(state.url, read_token(paths)) as client:
+            return client.weights_transfer(version, receiver)
+    except (EngineError, EngineUnreachable, EngineTimeout) as err:
+        raise WeightSyncError(
+            f"the engine service could not start a transfer of weights version {version}: {err}"
+        ) from err
 
 
 def receive_weights(
