@@ -22,6 +22,23 @@ megatron-core); `--dry-run` runs the same code on CPU with a tiny model. Phases:
    whether the loaded weights equal the saved ones.
 4. export: the weights published as a Hugging Face safetensors directory (`export_hf`):
    seconds, size, and whether its tensor names and shapes are the source directory's.
+5. weight_sync: collective weight sync (`trinity_dagster.weight_sync`) of the throughput
+   phase's Qwen2 weights (its HF safetensors, bf16, loaded on CPU as the engine's
+   `hf_state_dict()` hands them to the sender) from this process to a receiver subprocess
+   whose targets are preallocated in bf16, on the GPU where there is one. Backend: with two
+   or more GPUs NCCL, the sender on the first GPU and the receiver on the second (NCCL wants
+   one GPU per rank); with one GPU gloo (CPU buffers, copied into the GPU targets) and
+   `weight_sync_note` says NCCL was not exercised; on CPU gloo. Figures: stage seconds; the
+   median of `syncs` transfers as the receiver sees them (joining the group, every bucket,
+   the checksums and copies), GB/s, bytes; and, as a baseline, the same tensors (already on
+   the sender's transfer device) broadcast one by one, raw, into buffers on the receiver's
+   transfer device, in a fresh group of the same backend between the same two processes
+   (`weight_sync_vs_raw_ratio` = transfer seconds / raw seconds, both counting the group's
+   setup, which `weight_sync_raw_setup_s` shows alone). Checks: the received tensors equal
+   the sent ones bit for bit (targets are filled with a byte pattern before each transfer),
+   after the timed transfers and again after a refused one; a transfer with a damaged bucket
+   (`corrupt_next_transfer`; over NCCL of a one-bucket version, see `NCCL_ONE_BUCKET_DAMAGED`)
+   is refused by the receiver with `WeightSyncError`.
 
 A phase that fails is recorded under `errors` and the phases after it still run where they
 can. The last line on stdout is one JSON object (also written to `--out`); the exit status
@@ -35,20 +52,26 @@ import contextlib
 import json
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.synthetic import grpo_batch, make_llama_dir
+
+if TYPE_CHECKING:
+    from trinity_dagster.weight_sync.group import Backend
+    from trinity_dagster.weight_sync.sender import WeightSender
 
 PEAK_BF16_FLOPS = 989e12
 MFU_FORMULA = "(6 * params * tokens + 12 * layers * hidden_attn * seq * tokens) / step_s / 989e12"
@@ -80,6 +103,7 @@ class Plan:
     group: int
     warmup: int
     steps: int
+    syncs: int = 3  # timed transfers of the weight_sync phase
 
 
 QWEN2_0_5B = Shape(
@@ -94,6 +118,7 @@ DRY_RUN = Plan(
     group=4,
     warmup=1,
     steps=2,
+    syncs=1,
 )
 # The engine tests' tiny model (tests/engine_workers/train_common.py): odd vocabulary, GQA.
 PARITY_MODEL = {"vocab": 99, "hidden": 32, "ffn": 64, "layers": 2, "heads": 4, "seq": 32}
@@ -126,6 +151,43 @@ FIGURES = (
     "parity_grad_max",
     "parity_tolerance",
     "parity_passed",
+    "weight_sync_backend",
+    "weight_sync_note",
+    "weight_sync_devices",
+    "weight_sync_tensors",
+    "weight_sync_buckets",
+    "weight_sync_direct_buckets",
+    "weight_sync_bytes",
+    "weight_sync_stage_s",
+    "weight_sync_transfer_s",
+    "weight_sync_transfer_s_all",
+    "weight_sync_gbps",
+    "weight_sync_raw_s",
+    "weight_sync_raw_s_all",
+    "weight_sync_raw_setup_s",
+    "weight_sync_raw_gbps",
+    "weight_sync_vs_raw_ratio",
+    "weight_sync_bit_identical",
+    "weight_sync_corruption_caught",
+)
+# The weight_sync phase: its group's timeout (the sender's `sync_timeout`), how long the
+# driver waits for one answer of the receiver subprocess, and the loopback both use.
+SYNC_TIMEOUT_S = 120.0
+WORKER_TIMEOUT_S = 300.0
+LOOPBACK = "127.0.0.1"
+NCCL_NOT_EXERCISED = (
+    "NCCL was not exercised: it needs two GPUs (one per rank; NCCL refuses two ranks on one "
+    "device) and this machine has one, so the transfer ran over gloo (CPU buffers, copied "
+    "into the receiver's GPU targets)"
+)
+# Over NCCL the sender's thread copies bucket k+1 to the GPU (a synchronous copy on the
+# current stream) only once bucket k's broadcast is done; a receiver that refuses bucket 0
+# receives no more, so with three buckets or more the sender would block until the group's
+# timeout (and NCCL's watchdog then acts on the whole process). The damaged transfer there
+# sends a version of one bucket.
+NCCL_ONE_BUCKET_DAMAGED = (
+    "the damaged transfer sent a one-bucket version: over NCCL a receiver that refuses bucket 0 "
+    "receives no more, and the sender would block behind bucket 1 until the group's timeout"
 )
 
 
@@ -413,6 +475,374 @@ def export(engine, hf_dir: Path, out_dir: Path) -> dict[str, Any]:
     }
 
 
+# -- weight sync ----------------------------------------------------------------------------
+
+
+def sync_backend() -> tuple[Backend, str, str | None]:
+    """(backend, the receiver's target device, a note): NCCL between the first two GPUs,
+    gloo into the only GPU (NCCL refuses two ranks on one device), gloo on CPU."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= 2:
+        return "nccl", "cuda:1", None
+    if count == 1:
+        return "gloo", "cuda:0", NCCL_NOT_EXERCISED
+    return "gloo", "cpu", None
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (a copy if it is not contiguous)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def wait_for(device: torch.device) -> None:
+    """Wait for `device`'s queued work (nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class SyncWorker:
+    """The receiving side of the weight_sync phase: a subprocess of this module
+    (`--weight-sync-worker`) that answers one JSON request per line on its stdin with one
+    JSON line ({"ok": true, ...} or {"ok": false, "error_type", "error"}) on its stdout."""
+
+    def __init__(self, work: Path) -> None:
+        self.log_file = work / "weight_sync_worker.log"
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--weight-sync-worker"]
+        with open(self.log_file, "wb") as sink:
+            self.proc = subprocess.Popen(
+                command,
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=sink,
+                text=True,
+            )
+        self._replies: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="weight-sync-worker", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._replies.put(line)
+        self._replies.put(None)
+
+    def _tail(self) -> str:
+        return "\n" + self.log_file.read_text(errors="replace")[-2000:]
+
+    def send(self, request: dict[str, Any]) -> None:
+        """Send one request (its answer comes with `reply`)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except OSError as err:
+            raise RuntimeError(f"the weight sync worker is gone ({err}):{self._tail()}") from err
+
+    def reply(self, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
+        """The next answer, whatever it says."""
+        try:
+            line = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"the weight sync worker did not answer within {timeout_s:.0f} s:{self._tail()}"
+            ) from None
+        if line is None:
+            code = self.proc.wait()
+            raise RuntimeError(f"the weight sync worker exited with {code}:{self._tail()}")
+        return json.loads(line)
+
+    def reply_ok(self, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, Any]:
+        """The next answer; RuntimeError if it reports a failure."""
+        answer = self.reply(timeout_s)
+        if not answer["ok"]:
+            raise RuntimeError(
+                f"the weight sync worker failed: {answer['error_type']}: {answer['error']}"
+            )
+        return answer
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send a request and return its (successful) answer."""
+        self.send(request)
+        return self.reply_ok()
+
+    def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not within 30 s."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(RuntimeError):
+                self.send({"op": "exit"})
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def import_receiver() -> tuple[Any, type[Exception]]:
+    """`receive_described` and `WeightSyncError` (imported in the worker process only)."""
+    from trinity_dagster.weight_sync.receiver import WeightSyncError, receive_described
+
+    return receive_described, WeightSyncError
+
+
+class SyncReceiver:
+    """What the worker process holds: its targets and the requests it answers."""
+
+    def __init__(self) -> None:
+        self.receive_described, _ = import_receiver()
+        self.device = torch.device("cpu")
+        self.targets: dict[str, torch.Tensor] = {}
+        self.wire: dict[str, torch.Tensor] = {}  # what raw broadcasts land in
+
+    def targets_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Preallocate the targets (name, shape, dtype) on the given device."""
+        from trinity_dagster.weight_sync.group import transfer_device
+
+        self.device = torch.device(request["device"])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.targets = {
+            name: torch.zeros(shape, dtype=getattr(torch, dtype), device=self.device)
+            for name, shape, dtype in request["tensors"]
+        }
+        wire = transfer_device(request["backend"])
+        self.wire = {
+            name: target if target.device == wire else torch.zeros_like(target, device=wire)
+            for name, target in self.targets.items()
+        }
+        return {"device": str(self.device)}
+
+    def raw_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Join a fresh group and receive every tensor as its own raw broadcast."""
+        from trinity_dagster.weight_sync.group import (
+            join_store,
+            local_address_towards,
+            pair_group,
+            transfer_device,
+        )
+
+        started = time.perf_counter()
+        host, port, backend = request["address"], int(request["port"]), request["backend"]
+        timeout_s = float(request["timeout_s"])
+        store = join_store(host, port, timeout_s)
+        bind = local_address_towards(host, port)
+        group = pair_group(store, request["prefix"], 1, backend, bind, timeout_s)
+        wire = transfer_device(backend)
+        group.broadcast(torch.zeros(1, dtype=torch.uint8, device=wire), 0).wait()
+        wait_for(wire)
+        ready = time.perf_counter()
+        for tensor in self.wire.values():
+            group.broadcast(raw_bytes(tensor), 0).wait()
+        wait_for(wire)
+        done = time.perf_counter()
+        return {"seconds": done - started, "setup_s": ready - started}
+
+    def receive_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Fill the targets (or those `names` lists) with a byte pattern, then receive a
+        transfer into them."""
+        names = request.get("names") or list(self.targets)
+        targets = {name: self.targets[name] for name in names}
+        for target in targets.values():
+            raw_bytes(target).fill_(0xA5)
+        wait_for(self.device)
+        started = time.perf_counter()
+        received = self.receive_described(request["transfer"], targets)
+        wait_for(self.device)
+        return {
+            "seconds": time.perf_counter() - started,
+            "nbytes": received.nbytes,
+            "direct_buckets": received.direct_buckets,
+        }
+
+    def compare_op(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Whether the targets hold the safetensors files' tensors, bit for bit."""
+        from safetensors import safe_open
+
+        expected: set[str] = set()
+        wrong: list[str] = []
+        for file in request["files"]:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    expected.add(name)
+                    want, got = handle.get_tensor(name), self.targets.get(name)
+                    same = (
+                        got is not None
+                        and got.dtype == want.dtype
+                        and got.shape == want.shape
+                        and torch.equal(raw_bytes(got.cpu()), raw_bytes(want))
+                    )
+                    if not same:
+                        wrong.append(name)
+        wrong += sorted(set(self.targets) - expected)
+        return {"identical": not wrong, "compared": len(expected), "wrong": wrong[:5]}
+
+
+def sync_worker_main() -> None:
+    """The worker's loop: one JSON request per stdin line, one JSON answer per stdout line."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray output (NCCL, warnings): the log
+    receiver = SyncReceiver()
+    handlers = {
+        "targets": receiver.targets_op,
+        "raw": receiver.raw_op,
+        "receive": receiver.receive_op,
+        "compare": receiver.compare_op,
+    }
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "exit":
+            break
+        try:
+            answer = {"ok": True, **handlers[request["op"]](request)}
+        except Exception as err:
+            traceback.print_exc(file=sys.stderr)
+            answer = {"ok": False, "error_type": type(err).__name__, "error": str(err)[:2000]}
+        answers.write(json.dumps(answer) + "\n")
+
+
+def sender_record(sender: WeightSender, receiver: str) -> dict[str, Any]:
+    """The sender's record of its transfer to `receiver` (waits for the sending thread)."""
+    deadline = time.monotonic() + SYNC_TIMEOUT_S + 30
+    while time.monotonic() < deadline:
+        for record in list(sender.transfers):
+            if record["receiver"] == receiver:
+                return record
+        time.sleep(0.01)
+    raise TimeoutError(f"the sender kept no record of its transfer to {receiver}")
+
+
+def sync_transfer(
+    sender: WeightSender,
+    worker: SyncWorker,
+    receiver: str,
+    version: int = 1,
+    names: list[str] | None = None,
+) -> tuple[dict, dict]:
+    """One transfer of `version` into the targets `names` (default: all): (the receiver's
+    answer, the sender's record)."""
+    transfer = sender.open_transfer(version, receiver)
+    worker.send({"op": "receive", "transfer": transfer, "names": names})
+    answer = worker.reply()
+    return answer, sender_record(sender, receiver)
+
+
+def good_transfer(sender: WeightSender, worker: SyncWorker, receiver: str) -> dict[str, Any]:
+    """A transfer both sides report whole; RuntimeError otherwise."""
+    answer, record = sync_transfer(sender, worker, receiver)
+    if not answer["ok"] or not record["ok"]:
+        raise RuntimeError(
+            f"transfer to {receiver} failed: receiver "
+            f"{answer.get('error_type')}: {answer.get('error')}; sender {record.get('error')}"
+        )
+    return answer
+
+
+def raw_broadcast(
+    sender: WeightSender, worker: SyncWorker, wire: list[torch.Tensor], prefix: str
+) -> dict:
+    """The baseline: every tensor broadcast alone in a fresh group of the sender's backend."""
+    from trinity_dagster.weight_sync.group import pair_group
+
+    worker.send(
+        {
+            "op": "raw",
+            "address": sender.address,
+            "port": sender.port,
+            "prefix": prefix,
+            "backend": sender.backend,
+            "timeout_s": sender.timeout_s,
+        }
+    )
+    group = pair_group(sender.store, prefix, 0, sender.backend, sender.bind_host, SYNC_TIMEOUT_S)
+    device = wire[0].device
+    group.broadcast(torch.ones(1, dtype=torch.uint8, device=device), 0).wait()
+    for tensor in wire:
+        group.broadcast(tensor, 0).wait()
+    wait_for(device)
+    return worker.reply_ok()
+
+
+def weight_sync(worker: SyncWorker, source: Path, syncs: int) -> dict[str, Any]:
+    """Stage the weights in `source`, time raw broadcasts and transfers, check them."""
+    from safetensors.torch import load_file
+
+    from trinity_dagster.weight_sync.group import transfer_device
+    from trinity_dagster.weight_sync.sender import WeightSender
+
+    backend, receiver_device, note = sync_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # the sender's rank; its sending thread uses device 0 too
+    files = sorted(source.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    specs = [
+        [name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()
+    ]
+    targets = worker.ask(
+        {"op": "targets", "tensors": specs, "device": receiver_device, "backend": backend}
+    )
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    sender = WeightSender(LOOPBACK, LOOPBACK, SYNC_TIMEOUT_S, backend=backend)
+    try:
+        started = time.perf_counter()
+        layout = sender.stage(1, tensors)
+        stage_s = time.perf_counter() - started
+        device = transfer_device(sender.backend)
+        wire = [raw_bytes(t).to(device) for t in tensors.values()]
+        raw = [raw_broadcast(sender, worker, wire, f"gpu_check/raw/{i}/") for i in range(syncs)]
+        del wire
+        timed = [good_transfer(sender, worker, f"gpu_check-{i}") for i in range(syncs)]
+        identical = worker.ask({"op": "compare", "files": [str(f) for f in files]})
+        damaged_version, damaged_names = 1, None
+        if backend == "nccl":
+            name = min(tensors, key=lambda n: tensors[n].numel())
+            sender.stage(2, {name: tensors[name]})
+            damaged_version, damaged_names = 2, [name]
+            note = NCCL_ONE_BUCKET_DAMAGED
+        log("weight_sync: a transfer with a damaged bucket follows; its failure is expected")
+        sender.corrupt_next_transfer(bucket=0)
+        refused, record = sync_transfer(
+            sender, worker, "gpu_check-damaged", damaged_version, damaged_names
+        )
+        good_transfer(sender, worker, "gpu_check-after-damaged")
+        identical_after = worker.ask({"op": "compare", "files": [str(f) for f in files]})
+    finally:
+        sender.close()
+    for check in (identical, identical_after):
+        if not check["identical"]:
+            log(f"weight_sync: tensors differ from the sent ones: {check['wrong']}")
+    caught = (
+        not refused["ok"]
+        and refused["error_type"] == "WeightSyncError"
+        and "damaged" in refused["error"]
+        and record["ok"] is False
+    )
+    if not caught:
+        log(f"weight_sync: the damaged transfer was not refused as expected: {refused} {record}")
+    transfer_s = statistics.median(answer["seconds"] for answer in timed)
+    raw_s = statistics.median(answer["seconds"] for answer in raw)
+    return {
+        "weight_sync_backend": backend,
+        "weight_sync_note": note,
+        "weight_sync_devices": [str(device), targets["device"]],
+        "weight_sync_tensors": len(tensors),
+        "weight_sync_buckets": len(layout.buckets),
+        "weight_sync_direct_buckets": timed[-1]["direct_buckets"],
+        "weight_sync_bytes": layout.nbytes,
+        "weight_sync_stage_s": significant(stage_s),
+        "weight_sync_transfer_s": significant(transfer_s),
+        "weight_sync_transfer_s_all": [significant(a["seconds"]) for a in timed],
+        "weight_sync_gbps": significant(layout.nbytes / transfer_s / 1e9),
+        "weight_sync_raw_s": significant(raw_s),
+        "weight_sync_raw_s_all": [significant(a["seconds"]) for a in raw],
+        "weight_sync_raw_setup_s": significant(statistics.median(a["setup_s"] for a in raw)),
+        "weight_sync_raw_gbps": significant(tensor_bytes / raw_s / 1e9),
+        "weight_sync_vs_raw_ratio": significant(transfer_s / raw_s),
+        "weight_sync_bit_identical": identical["identical"] and identical_after["identical"],
+        "weight_sync_corruption_caught": caught,
+    }
+
+
 # -- driver ---------------------------------------------------------------------------------
 
 
@@ -477,6 +907,7 @@ def run_check(plan: Plan, *, dry_run: bool, work: Path) -> dict[str, Any]:
         seq=PARITY_MODEL["seq"],
     )
     cpu_worker = start_cpu_parity(parity_hf, work)
+    sync_worker = SyncWorker(work)  # imports torch and the receiver while the phases run
     device_side: dict[str, Any] | None = None
     with phase("parity (device side)", errors):
         device_side = parity_side(parity_hf, work / "parity_run")
@@ -510,8 +941,23 @@ def run_check(plan: Plan, *, dry_run: bool, work: Path) -> dict[str, Any]:
         cpu_side = finish_cpu_parity(*cpu_worker)
         if device_side is not None:
             result.update(compare_parity(cpu_side, device_side))
+    with phase("weight_sync", errors):
+        try:
+            source = hf_dir
+            if not any(hf_dir.glob("*.safetensors")):  # the build phase failed: make them
+                source = make_qwen2_dir(work / "weight_sync_hf", shape, torch.bfloat16)
+            result.update(weight_sync(sync_worker, source, plan.syncs))
+        finally:
+            sync_worker.close()
 
-    checks = ("loss_finite", "resume_matches", "export_matches", "parity_passed")
+    checks = (
+        "loss_finite",
+        "resume_matches",
+        "export_matches",
+        "parity_passed",
+        "weight_sync_bit_identical",
+        "weight_sync_corruption_caught",
+    )
     result["errors"] = errors
     result["ok"] = not errors and all(result.get(key) is True for key in checks)
     result["wall_s"] = round(time.perf_counter() - started, 1)
@@ -527,13 +973,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, help="rows per step of the throughput phase")
     parser.add_argument("--micro-batch", type=int, help="rows per micro-batch")
     parser.add_argument("--steps", type=int, help="measured steps of the throughput phase")
+    parser.add_argument("--syncs", type=int, help="timed transfers of the weight_sync phase")
     parser.add_argument(
         "--parity-worker",
         nargs=2,
         metavar=("HF_DIR", "OUT"),
         help="internal: run the CPU side of the parity check and save it to OUT",
     )
+    parser.add_argument(
+        "--weight-sync-worker",
+        action="store_true",
+        help="internal: the receiving side of the weight_sync phase (JSON lines on stdin)",
+    )
     args = parser.parse_args()
+    if args.weight_sync_worker:
+        sync_worker_main()
+        return
     if args.parity_worker:
         hf_dir, out = (Path(p) for p in args.parity_worker)
         with tempfile.TemporaryDirectory(prefix="gpu-check-parity-") as tmp:
@@ -545,6 +1000,7 @@ def main() -> None:
         "batch": args.batch,
         "micro_batch": args.micro_batch,
         "steps": args.steps,
+        "syncs": args.syncs,
     }
     plan = replace(plan, **{k: v for k, v in overrides.items() if v is not None})
     if args.workdir is not None:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check (benchmarks/gpu_check.py): a Qwen2-0.5B-shaped model trained by the
 # Megatron engine in bf16 (tokens/s, MFU), fp32 CPU/GPU parity of the tiny test model, a full
-# checkpoint save + load and an HF weights export, timed; one JSON line last on stdout.
+# checkpoint save + load and an HF weights export, timed, then a collective weight sync of its
+# weights to a receiver process (NCCL with two GPUs, gloo with one or none: seconds and GB/s
+# against a raw broadcast, bit-identical, a damaged bucket refused); one JSON line last on stdout.
 #
 #   bash scripts/gpu_check.sh --prepare        # where pip can download: the Python 3.12
 #                                              # wheels the engine needs, into .whl/ (~7 MiB)
@@ -11,8 +13,11 @@
 # The GPU machine needs Python 3.12 with torch (CUDA), transformers and safetensors; no
 # network. If megatron-core is missing there, the wheels in .whl/ (git-ignored: carry it to
 # that machine) are installed with `pip --no-index` into .whl/site, which goes first on
-# PYTHONPATH. The engine imports neither dagster nor deltalake, so neither is carried.
-# Other options (--seq, --batch, --micro-batch, --steps, --workdir) go to the Python check.
+# PYTHONPATH. The engine imports neither dagster nor deltalake, so neither is carried. The weight
+# sync receiver's imports reach the service's HTTP client (httpx, not carried): the check puts
+# an empty stand-in module in its place where httpx is missing (it never makes a request).
+# Other options (--seq, --batch, --micro-batch, --steps, --syncs, --workdir) go to the Python
+# check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

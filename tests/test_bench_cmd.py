@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,15 @@ def test_runs_the_benchmark_of_the_given_checkout_as_a_module(
 def test_a_failing_benchmark_fails_the_command(capfd: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--repo", str(REPO), "buffer", "--no-such-option"]) == 2
     assert "unrecognized arguments: --no-such-option" in capfd.readouterr().err
+
+
+def test_bench_sync_times_every_method_and_checks_what_arrived(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    args = ["bench", "--repo", str(REPO), "sync", "--shapes", "demo", "--repeats", "1"]
+    assert main([*args, "--warmup", "0"]) == 0
+    figures = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    for method in ("checkpoint", "memory", "nccl", "raw_broadcast"):
+        assert figures[f"demo_{method}_s"] > 0, method
+    assert figures["demo_nccl_bytes"] == figures["demo_bytes"] > 0
+    assert figures["demo_nccl_vs_raw_broadcast_ratio"] > 0

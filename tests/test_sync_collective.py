@@ -73,7 +73,7 @@ def test_config_reads_trinitys_method_name_in_any_case(tmp_path: Path) -> None:
 
 def test_buckets_pack_small_tensors_and_send_large_ones_alone() -> None:
     tensors = mixed_tensors()
-    layout, buffers = pack(tensors, bucket_bytes=1 << 20)
+    layout, buffers = pack(tensors, bucket_bytes=1 << 20, alone_bytes=1 << 20)
     slots = {slot.name: slot for slot in layout.tensors}
     assert slots["small.bias"].bucket == slots["half.weight"].bucket  # packed together
     assert slots["big.weight"].bucket != slots["odd"].bucket

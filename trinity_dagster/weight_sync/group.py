@@ -9,9 +9,11 @@ from the engine's training group and lives for one transfer only.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -72,15 +74,29 @@ def pair_group(
     backend: Backend,
     bind_host: str,
     timeout_s: float,
-) -> dist.ProcessGroup:
-    """The two-rank group of one transfer (blocks until both ranks joined, up to the timeout)."""
+) -> Any:
+    """The two-rank group (a c10d backend object with `broadcast`) of one transfer; blocks
+    until both ranks joined, up to the timeout."""
     scoped = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(scoped, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    return dist.ProcessGroupGloo(scoped, rank, 2, options)
+    gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo_options._timeout = timeout
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(scoped, rank, 2, gloo_options)
+
+
+@contextlib.contextmanager
+def side_stream(backend: Backend) -> Iterator[None]:
+    """Under NCCL, run the block's copies and collectives on a CUDA stream of their own (so
+    the training stream never waits for a receiver) and wait for them at its end."""
+    if backend != "nccl":
+        yield
+        return
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()

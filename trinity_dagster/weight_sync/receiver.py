@@ -20,12 +20,6 @@ from typing import Any
 import torch
 
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import (
-    EngineClient,
-    EngineError,
-    EngineTimeout,
-    EngineUnreachable,
-)
 from trinity_dagster.service.state import read_state, read_token
 from trinity_dagster.weight_sync.buckets import Layout, TensorSlot, checksum, tensor_view
 from trinity_dagster.weight_sync.group import (
@@ -61,6 +55,13 @@ def request_transfer(paths: RunPaths, version: int, receiver: str) -> dict[str, 
             f"no engine service runs for {paths.root}: weights version {version} cannot be "
             "received over the collective"
         )
+    from trinity_dagster.service.client import (  # httpx: not needed to receive
+        EngineClient,
+        EngineError,
+        EngineTimeout,
+        EngineUnreachable,
+    )
+
     try:
         with EngineClient(state.url, read_token(paths)) as client:
             return client.weights_transfer(version, receiver)
@@ -85,7 +86,7 @@ def receive_described(transfer: Mapping[str, Any], targets: Mapping[str, torch.T
     host, port, prefix = transfer["address"], int(transfer["port"]), transfer["prefix"]
     timeout_s = float(transfer["timeout_s"])
     store = join_store(host, port, timeout_s)
-    verdict = b"receiver failed before the end"
+    verdict = "receiver failed before the end"
     try:
         _check_names(layout, targets)
         group = pair_group(
@@ -95,10 +96,10 @@ def receive_described(transfer: Mapping[str, Any], targets: Mapping[str, torch.T
         direct = _receive_all(group, int(transfer["version"]), layout, targets, device)
         verdict = OK
     except WeightSyncError as err:
-        verdict = str(err).encode()
+        verdict = str(err)
         raise
     except Exception as err:
-        verdict = f"{type(err).__name__}: {err}".encode()
+        verdict = f"{type(err).__name__}: {err}"
         raise WeightSyncError(
             f"weights version {transfer['version']} from {host}:{port} failed: "
             f"{type(err).__name__}: {err}"
@@ -121,28 +122,33 @@ def _receive_all(
     """Receive every bucket into `targets`; returns how many went straight into them."""
     direct = 0
     scratch: torch.Tensor | None = None
+    damaged: str | None = None
     for index, spec in enumerate(layout.buckets):
         slots = layout.slots_of(index)
-        into = _direct_target(slots, spec.nbytes, targets, device)
+        into = None if damaged else _direct_target(slots, spec.nbytes, targets, device)
         is_direct = into is not None
         if into is None:
             if scratch is None or scratch.numel() < spec.nbytes:
                 scratch = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
             into = scratch[: spec.nbytes]
         group.broadcast(into, 0).wait()
+        if damaged:
+            continue  # drained, so that the sender finishes and reads the verdict
         got = checksum(into)
         if got != spec.checksum:
-            raise WeightSyncError(
+            damaged = (
                 f"bucket {index} of weights version {version} (tensors "
                 f"{', '.join(s.name for s in slots[:3])}{'...' if len(slots) > 3 else ''}) "
                 f"arrived damaged: checksum {got:#018x}, the sender's {spec.checksum:#018x}; "
                 "the explorer's model is discarded"
             )
-        if is_direct:
+        elif is_direct:
             direct += 1
         else:
             for slot in slots:
                 targets[slot.name].copy_(tensor_view(into, slot))
+    if damaged:
+        raise WeightSyncError(damaged)
     return direct
 
 

@@ -1,7 +1,8 @@
 """Engine rank 0's side of collective weight sync: the versions it holds and the transfers.
 
-`stage(N, tensors)` packs weights version N (the newest `KEEP` versions stay held) and
-returns at once. An explorer that wants version N asks for a transfer (`open_transfer`,
+`stage(N, tensors)` packs weights version N (tensors under 1 MiB are copied into buckets,
+larger ones stay where they are; every bucket is checksummed) and holds it: the newest
+`KEEP` versions. An explorer that wants version N asks for a transfer (`open_transfer`,
 behind the control API's `/weights/transfer`): it gets the layout and the group to join,
 and a thread of this process broadcasts the buckets to it in a two-rank group, then waits
 for the receiver's verdict. The training loop never waits for explorers: a receiver that
@@ -25,15 +26,17 @@ from trinity_dagster.weight_sync.buckets import Layout, pack
 from trinity_dagster.weight_sync.group import (
     Backend,
     default_backend,
+    join_store,
     pair_group,
     serve_store,
+    side_stream,
     transfer_device,
 )
 
 KEEP = 2
 HISTORY = 32
 RESULT_KEY = "result"
-OK = b"ok"
+OK = "ok"
 
 log = logging.getLogger(__name__)
 
@@ -148,32 +151,39 @@ class WeightSender:
             thread.join(max(0.0, deadline - time.monotonic()))
         self._socket.close()
 
-    def _receivers_verdict(self, prefix: str) -> str | None:
+    @staticmethod
+    def _receivers_verdict(store: torch.distributed.Store, prefix: str) -> str | None:
         """What a receiver that gave up reported (a damaged bucket, a model mismatch), if it did."""
         key = prefix + RESULT_KEY
         try:
-            return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+            return store.get(key).decode(errors="replace") if store.check([key]) else None
         except Exception:  # the store itself failed: the transfer's own error stands
             return None
 
     def _send(self, staged: StagedVersion, prefix: str, receiver: str, corrupt: int | None) -> None:
         started = time.perf_counter()
         record: dict[str, Any] = {"receiver": receiver, "version": staged.version, "ok": False}
+        store = None
         try:
-            group = pair_group(self.store, prefix, 0, self.backend, self.bind_host, self.timeout_s)
+            # a client of its own: a store client serves one blocking call at a time, and
+            # another transfer's wait for a receiver that never comes must not hold this one
+            store = join_store(self.bind_host, self.port, self.timeout_s)
+            group = pair_group(store, prefix, 0, self.backend, self.bind_host, self.timeout_s)
             device = transfer_device(self.backend)
-            for index, buffer in enumerate(staged.buffers):
-                outgoing = buffer.to(device)
-                if index == corrupt:
-                    outgoing = outgoing.clone()
-                    outgoing[0] ^= 0x5A
-                group.broadcast(outgoing, 0).wait()
-            verdict = self.store.get(prefix + RESULT_KEY)
+            with side_stream(self.backend):
+                for index, buffer in enumerate(staged.buffers):
+                    outgoing = buffer.to(device)
+                    if index == corrupt:
+                        outgoing = outgoing.clone()
+                        outgoing[0] ^= 0x5A
+                    group.broadcast(outgoing, 0).wait()
+            verdict = store.get(prefix + RESULT_KEY).decode(errors="replace")
             if verdict != OK:
-                raise RuntimeError(verdict.decode(errors="replace"))
+                raise RuntimeError(verdict)
             record["ok"] = True
         except Exception as err:  # one receiver's failure; training and others go on
-            record["error"] = self._receivers_verdict(prefix) or f"{type(err).__name__}: {err}"
+            told = None if store is None else self._receivers_verdict(store, prefix)
+            record["error"] = told or f"{type(err).__name__}: {err}"
             log.warning(
                 "weights version %d to %s failed: %s", staged.version, receiver, record["error"]
             )
