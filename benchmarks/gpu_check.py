@@ -37,7 +37,7 @@ megatron-core); `--dry-run` runs the same code on CPU with a tiny model. Phases:
    setup, which `weight_sync_raw_setup_s` shows alone). Checks: the received tensors equal
    the sent ones bit for bit (targets are filled with a byte pattern before each transfer),
    after the timed transfers and again after a refused one; a transfer with a damaged bucket
-   (`corrupt_next_transfer`; over NCCL of a one-bucket version, see `NCCL_ONE_BUCKET_DAMAGED`)
+   (`corrupt_next_transfer`)
    is refused by the receiver with `WeightSyncError`.
 
 A phase that fails is recorded under `errors` and the phases after it still run where they
@@ -179,15 +179,6 @@ NCCL_NOT_EXERCISED = (
     "NCCL was not exercised: it needs two GPUs (one per rank; NCCL refuses two ranks on one "
     "device) and this machine has one, so the transfer ran over gloo (CPU buffers, copied "
     "into the receiver's GPU targets)"
-)
-# Over NCCL the sender's thread copies bucket k+1 to the GPU (a synchronous copy on the
-# current stream) only once bucket k's broadcast is done; a receiver that refuses bucket 0
-# receives no more, so with three buckets or more the sender would block until the group's
-# timeout (and NCCL's watchdog then acts on the whole process). The damaged transfer there
-# sends a version of one bucket.
-NCCL_ONE_BUCKET_DAMAGED = (
-    "the damaged transfer sent a one-bucket version: over NCCL a receiver that refuses bucket 0 "
-    "receives no more, and the sender would block behind bucket 1 until the group's timeout"
 )
 
 
@@ -637,15 +628,12 @@ class SyncReceiver:
         return {"seconds": done - started, "setup_s": ready - started}
 
     def receive_op(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Fill the targets (or those `names` lists) with a byte pattern, then receive a
-        transfer into them."""
-        names = request.get("names") or list(self.targets)
-        targets = {name: self.targets[name] for name in names}
-        for target in targets.values():
+        """Fill the targets with a byte pattern, then receive a transfer into them."""
+        for target in self.targets.values():
             raw_bytes(target).fill_(0xA5)
         wait_for(self.device)
         started = time.perf_counter()
-        received = self.receive_described(request["transfer"], targets)
+        received = self.receive_described(request["transfer"], self.targets)
         wait_for(self.device)
         return {
             "seconds": time.perf_counter() - started,
@@ -710,17 +698,11 @@ def sender_record(sender: WeightSender, receiver: str) -> dict[str, Any]:
     raise TimeoutError(f"the sender kept no record of its transfer to {receiver}")
 
 
-def sync_transfer(
-    sender: WeightSender,
-    worker: SyncWorker,
-    receiver: str,
-    version: int = 1,
-    names: list[str] | None = None,
-) -> tuple[dict, dict]:
-    """One transfer of `version` into the targets `names` (default: all): (the receiver's
-    answer, the sender's record)."""
-    transfer = sender.open_transfer(version, receiver)
-    worker.send({"op": "receive", "transfer": transfer, "names": names})
+def sync_transfer(sender: WeightSender, worker: SyncWorker, receiver: str) -> tuple[dict, dict]:
+    """One transfer of version 1 into the targets: (the receiver's answer, the sender's
+    record)."""
+    transfer = sender.open_transfer(1, receiver)
+    worker.send({"op": "receive", "transfer": transfer})
     answer = worker.reply()
     return answer, sender_record(sender, receiver)
 
@@ -793,17 +775,9 @@ def weight_sync(worker: SyncWorker, source: Path, syncs: int) -> dict[str, Any]:
         del wire
         timed = [good_transfer(sender, worker, f"gpu_check-{i}") for i in range(syncs)]
         identical = worker.ask({"op": "compare", "files": [str(f) for f in files]})
-        damaged_version, damaged_names = 1, None
-        if backend == "nccl":
-            name = min(tensors, key=lambda n: tensors[n].numel())
-            sender.stage(2, {name: tensors[name]})
-            damaged_version, damaged_names = 2, [name]
-            note = NCCL_ONE_BUCKET_DAMAGED
         log("weight_sync: a transfer with a damaged bucket follows; its failure is expected")
         sender.corrupt_next_transfer(bucket=0)
-        refused, record = sync_transfer(
-            sender, worker, "gpu_check-damaged", damaged_version, damaged_names
-        )
+        refused, record = sync_transfer(sender, worker, "gpu_check-damaged")
         good_transfer(sender, worker, "gpu_check-after-damaged")
         identical_after = worker.ask({"op": "compare", "files": [str(f) for f in files]})
     finally:
