@@ -71,9 +71,12 @@ class Layout:
         )
         return cls(tensors, tuple(BucketSpec(**bucket) for bucket in data["buckets"]))
 
-    def slots_of(self, bucket: int) -> list[TensorSlot]:
-        """The tensors bucket `bucket` carries, in order."""
-        return [slot for slot in self.tensors if slot.bucket == bucket]
+    def slots_by_bucket(self) -> list[list[TensorSlot]]:
+        """The tensors each bucket carries, in order."""
+        grouped: list[list[TensorSlot]] = [[] for _ in self.buckets]
+        for slot in self.tensors:
+            grouped[slot.bucket].append(slot)
+        return grouped
 
 
 def checksum(buffer: Tensor) -> int:
