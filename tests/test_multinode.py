@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -38,6 +39,7 @@ from trinity_dagster.service.state import (
     read_state,
     write_state,
 )
+from trinity_dagster.weight_sync.receiver import receive_weights
 
 TWO_NODES = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}
 CLUSTER = {
@@ -239,6 +241,7 @@ def _layout(tmp_path: Path, root: Path, name: str, nodes: int) -> tuple[TrinityC
         "megatron": {"data_parallel_size": 2},
         "trainer": {"total_steps": STEPS, "save_interval": 2},
         "service": service,
+        "synchronizer": {"sync_method": "nccl"},
     }
     return tiny_config(tmp_path / name, extra)
 
@@ -252,12 +255,16 @@ def _listening(processes: list[psutil.Process]) -> set[str]:
     return found
 
 
-def _train(config: TrinityConfig, config_file: Path, steps: range, log: Path) -> list[dict]:
-    """Train `steps` on a service of the config's layout, save or sync the last; the metrics.
+def _train(
+    config: TrinityConfig, config_file: Path, steps: range, log: Path
+) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Train `steps` on a service of the config's layout, save or sync the last; the metrics,
+    and after the last step the weights this process received over the collective sync.
 
     Two nodes: this process starts node 0's agent (`connect`), a second process joins as
     node 1 (`engine join`); the rendezvous decides where rank 0 runs.
     """
+    received: dict[str, torch.Tensor] = {}
     paths = RunPaths.of(config.run_root)
     join = None
     if config.service.nnodes == 2:
@@ -275,13 +282,17 @@ def _train(config: TrinityConfig, config_file: Path, steps: range, log: Path) ->
             metrics = [client.train_step(step)["metrics"] for step in steps]
             if steps[-1] == STEPS:
                 client.sync_weight(STEPS)
+                client.stage_weights(STEPS)  # and as an explorer on a third "machine" gets it
+                published = load_file(weights_dir(paths, STEPS) / "model.safetensors")
+                received = {name: torch.zeros_like(t) for name, t in published.items()}
+                receive_weights(paths, STEPS, received, "explorer-elsewhere")
             else:
                 client.save_checkpoint(steps[-1], block=True)
     finally:
         stop_service(paths)
         joined = None if join is None else _wait_or_kill(join, timeout_s=120)
     assert joined in (None, 0), log.read_text()[-3000:]
-    return metrics
+    return metrics, received
 
 
 def _wait_or_kill(process: subprocess.Popen, timeout_s: float) -> int:
@@ -300,11 +311,14 @@ def _run(tmp_path: Path, name: str, first: int, then: int) -> tuple[list[dict], 
     fill_buffer(config, steps=STEPS)
     pin_steps(config, range(1, STEPS + 1))
     log = tmp_path / f"{name}-join.log"
-    metrics = _train(config, file, range(1, 3), log)
+    metrics, _ = _train(config, file, range(1, 3), log)
     config, file = _layout(tmp_path, root, f"{name}-{then}", then)
-    metrics += _train(config, file, range(3, STEPS + 1), log)
-    weights = weights_dir(RunPaths.of(config.run_root), STEPS) / "model.safetensors"
-    return metrics, load_file(weights)
+    later, received = _train(config, file, range(3, STEPS + 1), log)
+    weights = load_file(weights_dir(RunPaths.of(config.run_root), STEPS) / "model.safetensors")
+    assert received.keys() == weights.keys()
+    for tensor_name, tensor in weights.items():
+        assert received[tensor_name].equal(tensor), tensor_name
+    return metrics + later, weights
 
 
 def _deterministic(metrics: dict[str, float]) -> dict[str, float]:
@@ -317,7 +331,8 @@ def test_two_nodes_train_like_one_and_resume_each_others_checkpoints(
 ) -> None:
     """DP=2 as 2 nodes x 1 rank and as 1 node x 2 ranks: the same losses and bit-identical
     weights (the same gloo all-reduce of two ranks either way), each layout resuming the
-    other's step-2 checkpoint."""
+    other's step-2 checkpoint; the final weights reach this process over the collective sync
+    (`sync_method: nccl`, gloo) as they were published, from rank 0 on whichever node."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun sets it for 2 ranks a node, not 1
     two_then_one, two_first_weights = _run(tmp_path, "a", first=2, then=1)
     one_then_two, one_first_weights = _run(tmp_path, "b", first=1, then=2)
