@@ -3,9 +3,7 @@ group of their own (gloo here), checked bucket by bucket, with nothing written p
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import tiny_config
-from trinity_dagster.buffer.end_of_data import mark_end_of_data
+from tests.run_helpers import tiny_config, train_beside_explorer
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_weights_version,
@@ -25,13 +22,10 @@ from trinity_dagster.checkpoint.layout import (
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
-from trinity_dagster.explorer.loop import ExplorerLoop
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.client import EngineClient
-from trinity_dagster.service.launcher import start_service, stop_service
 from trinity_dagster.service.state import ServiceState, read_state, read_token, write_state
 from trinity_dagster.trainer.run_state import read_trainer_state
-from trinity_dagster.trainer.trainer import Trainer
 from trinity_dagster.weight_sync import announce, receiver
 from trinity_dagster.weight_sync.buckets import pack
 from trinity_dagster.weight_sync.receiver import WeightSyncError, receive_described
@@ -215,31 +209,15 @@ def test_a_run_with_nccl_sync_trains_to_the_end(
     nccl_run: tuple[TrinityConfig, RunPaths], explored: int
 ) -> None:
     config, paths = nccl_run
-    config = config.model_copy(
-        update={"trainer": config.trainer.model_copy(update={"total_steps": 3})}
-    )
-    versions: dict[int, int] = {}
-    loop = ExplorerLoop(
-        config, on_step=lambda step, meta: versions.update({step: meta["weights_version"]})
-    )
 
-    def explore() -> None:
-        loop.run(1, explored)
-        if explored < 3:
-            mark_end_of_data(paths, "explorer-0", "test data used up")
-
-    explorer = threading.Thread(target=explore)
-    explorer.start()
-    try:
-        start_service(config)  # started here, so run() leaves it up to be asked
-        reason = asyncio.run(Trainer(config).run())
+    def engine_status() -> tuple[ServiceState, dict]:
         state = read_state(paths)
-        assert state is not None and state.weight_sync_port is not None
+        assert state is not None
         with EngineClient(state.url, read_token(paths)) as client:
-            sync = client.status()["weight_sync"]
-    finally:
-        explorer.join(timeout=120)
-        stop_service(paths)
+            return state, client.status()["weight_sync"]
+
+    run = train_beside_explorer(config, explored, engine_status)
+    (state, sync), versions, loop, reason = run.while_up, run.versions, run.loop, run.reason
 
     trainer = read_trainer_state(paths)
     assert trainer is not None and trainer.state == "finished" and trainer.step == explored

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -13,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import tiny_config
-from trinity_dagster.buffer.end_of_data import mark_end_of_data
+from tests.run_helpers import tiny_config, train_beside_explorer
 from trinity_dagster.checkpoint import shm_weights
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
@@ -34,11 +32,8 @@ from trinity_dagster.checkpoint.shm_weights import (
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.initial_model import create_initial_model
-from trinity_dagster.explorer.loop import ExplorerLoop
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.launcher import start_service, stop_service
 from trinity_dagster.trainer.run_state import read_trainer_state
-from trinity_dagster.trainer.trainer import Trainer
 
 MEMORY = {"synchronizer": {"sync_method": "memory"}, "explorer": {"tasks_per_step": 2}}
 
@@ -167,28 +162,8 @@ def test_a_run_with_memory_sync_trains_to_the_end(
     memory_run: tuple[TrinityConfig, RunPaths], explored: int
 ) -> None:
     config, paths = memory_run
-    config = config.model_copy(
-        update={"trainer": config.trainer.model_copy(update={"total_steps": 3})}
-    )
-    versions: dict[int, int] = {}
-    loop = ExplorerLoop(
-        config, on_step=lambda step, meta: versions.update({step: meta["weights_version"]})
-    )
-
-    def explore() -> None:
-        loop.run(1, explored)
-        if explored < 3:
-            mark_end_of_data(paths, "explorer-0", "test data used up")
-
-    explorer = threading.Thread(target=explore)
-    explorer.start()
-    try:
-        start_service(config)  # started here, so run() leaves it (and its shared memory) up
-        reason = asyncio.run(Trainer(config).run())
-        shm_held = shm_versions(paths)
-    finally:
-        explorer.join(timeout=120)
-        stop_service(paths)
+    run = train_beside_explorer(config, explored, lambda: shm_versions(paths))
+    reason, versions, shm_held = run.reason, run.versions, run.while_up
 
     state = read_trainer_state(paths)
     assert state is not None and state.state == "finished"

@@ -252,14 +252,8 @@ class EngineHost:
                 self._refuse_withheld(step)  # a kept checkpoint of withheld weights
                 self._mark_published(step)
             return info
-        self._refuse_withheld(step)
-        self._replay_up_to(step, f"cannot publish weights of step {step}")
-        if self.engine.step != step:
-            raise StepConflictError(
-                f"weights of step {step} were never published and the engine is at step "
-                f"{self.engine.step}; they can only be published right after training step {step}"
-            )
-        self._publish(step)
+        tensors = self._weights_of(step, "publish", "were never published")
+        self._publish(step, tensors)
         return self._weights_info(step)
 
     def upload_weights(self, step: int) -> dict[str, Any]:
@@ -267,14 +261,7 @@ class EngineHost:
         now if the engine is at N."""
         if step in shm_versions(self.paths):
             return self._shm_info(step)
-        self._refuse_withheld(step)
-        self._replay_up_to(step, f"cannot upload weights of step {step}")
-        if self.engine.step != step:
-            raise StepConflictError(
-                f"weights of step {step} are not in shared memory and the engine is at step "
-                f"{self.engine.step}; they can only be uploaded right after training step {step}"
-            )
-        tensors = self.engine.hf_state_dict()
+        tensors = self._weights_of(step, "upload", "are not in shared memory")
         if self.rank == 0:
             write_shm_weights(self.paths, step, tensors)
         self.last_sync_step = step
@@ -289,14 +276,7 @@ class EngineHost:
             return self._staged_info(step)
         if self.config.synchronizer.sync_method != "nccl":
             raise BadRequestError("stage_weights needs synchronizer.sync_method nccl")
-        self._refuse_withheld(step)
-        self._replay_up_to(step, f"cannot stage weights of step {step}")
-        if self.engine.step != step:
-            raise StepConflictError(
-                f"weights of step {step} are not held and the engine is at step "
-                f"{self.engine.step}; they can only be staged right after training step {step}"
-            )
-        tensors = self.engine.hf_state_dict()
+        tensors = self._weights_of(step, "stage", "are not held")
         if self.weight_sender is not None:
             self.weight_sender.stage(step, tensors)
             announce.announce(self.paths, step)
@@ -306,6 +286,19 @@ class EngineHost:
         return self._staged_info(step)
 
     # --- internals --------------------------------------------------------------------
+    def _weights_of(self, step: int, verb: str, absent: str) -> dict[str, torch.Tensor]:
+        """The HF tensors of step N (full on rank 0; collective), for explorers: refused if
+        the step's record withholds them, recorded steps replayed up to N first; the engine
+        must then be at N (`verb` and `absent` word the refusal)."""
+        self._refuse_withheld(step)
+        self._replay_up_to(step, f"cannot {verb} weights of step {step}")
+        if self.engine.step != step:
+            raise StepConflictError(
+                f"weights of step {step} {absent} and the engine is at step {self.engine.step}; "
+                f"they can only be {verb}d right after training step {step}"
+            )
+        return self.engine.hf_state_dict()
+
     def _replay_up_to(self, step: int, refusal: str) -> list[int]:
         """Replay the recorded steps after the engine's step up to `step` from their pinned
         batches (the engine resumed from an older checkpoint); returns the steps replayed.
@@ -402,8 +395,7 @@ class EngineHost:
             step, sampler_state=state, hf=hf, block=block, serves_as_sync=serves_as_sync
         )
 
-    def _publish(self, step: int) -> None:
-        tensors = self.engine.hf_state_dict()
+    def _publish(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         if self.rank == 0:
             self._discard_abandoned_publish(step)
             publish_weights(self.paths, step, tensors, self.engine.hf_config, self.engine.hf_dir)
