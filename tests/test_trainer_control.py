@@ -75,7 +75,7 @@ def loop(tmp_path: Path) -> Iterator[Loop]:
 def test_save_and_sync_now_are_served_while_the_loop_waits(loop: Loop) -> None:
     saved = ask(loop.paths, "run-a.save.1", "save", step=1, hf=True)
     assert saved["ok"] and saved["path"].endswith("checkpoints/global_step_1"), saved
-    assert loop.engine.of_kind("save") == [("save", 1, False, True, False)]
+    assert loop.engine.of_kind("save") == [("save", 1, False, True, True)]
 
     synced = ask(loop.paths, "run-b.sync.1", "sync", step=1)
     assert synced["ok"] and synced["version"] == 1, synced
@@ -93,7 +93,7 @@ def test_a_later_step_is_saved_when_the_loop_gets_there(loop: Loop) -> None:
     found = control.wait_for_answer(loop.paths, request, loop_alive=lambda: True, timeout_s=20)
     assert found is not None and found["ok"], found
     saves = loop.engine.of_kind("save")
-    assert saves == [("save", 3, False, False, False)], saves
+    assert saves == [("save", 3, False, True, True)], saves  # a weights version
     assert loop.engine.of_kind("train")[-1] == ("train", 3)
     assert control.open_save_steps(loop.paths) == {3: ["run-a.save.3"]}  # until the run records it
     control.forget(loop.paths, request.request_id)
@@ -141,7 +141,7 @@ def test_stop_ends_training_with_the_final_save(loop: Loop) -> None:
     loop.thread.join(20)
     assert stopped["ok"] and stopped["step"] == 1, stopped
     assert loop.outcome["reason"].startswith(f"{STOPPED} run-a.stop.now at step 1"), loop.outcome
-    assert loop.engine.of_kind("save") == [("save", 1, True, True, False)]
+    assert loop.engine.of_kind("save") == [("save", 1, True, True, True)]
     state = read_trainer_state(loop.paths)
     assert state is not None and state.state == "finished"
     assert state.finished(loop.config.trainer.total_steps), "a stopped training is finished"

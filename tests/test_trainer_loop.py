@@ -187,26 +187,23 @@ def make_config(
 
 
 def expected_events(
-    total_steps: int, save_interval: int, sync_interval: int, save_hf: str, sft_warmup: int = 0
+    total_steps: int, save_interval: int, sync_interval: int, sft_warmup: int = 0
 ) -> list[Event]:
     """Trinity-RFT's schedule, sync_style fixed and sync_method checkpoint, all data there.
 
     After each step: a save every `save_interval` steps (none for 0), except that the final
-    step gets the one final blocking save instead; weights synced at every `sync_interval`-th
-    step, by the save when one is made at that step (which then exports HF weights). The SFT
-    warm-up's last step, when RL steps follow, is saved too and exported unless `never`.
+    step gets the one final blocking save instead; the SFT warm-up's last step, when RL steps
+    follow, is saved too. Every save is a weights version (it exports HF weights and serves
+    as the sync, due or not); a step without a save publishes its weights at every
+    `sync_interval`-th step.
     """
     events: list[Event] = []
     for step in range(1, total_steps + 1):
         events.append(("train", step))
-        sync_due = step % sync_interval == 0
-        if step == total_steps:
-            events.append(("save", step, True, save_hf != "never" or sync_due, sync_due))
-        elif step == sft_warmup:
-            events.append(("save", step, False, save_hf != "never" or sync_due, sync_due))
-        elif save_interval > 0 and step % save_interval == 0:
-            events.append(("save", step, False, save_hf == "always" or sync_due, sync_due))
-        elif sync_due:
+        periodic = save_interval > 0 and step % save_interval == 0
+        if step in (total_steps, sft_warmup) or periodic:
+            events.append(("save", step, step == total_steps, True, True))
+        elif step % sync_interval == 0:
             events.append(("publish", step))
     return events
 
@@ -236,7 +233,7 @@ def test_schedule_of_saves_and_syncs(
 
     reason = run_trainer(trainer)
 
-    expected = expected_events(total_steps, save_interval, sync_interval, save_hf)
+    expected = expected_events(total_steps, save_interval, sync_interval)
     assert engine.events == expected
     assert reason.startswith(f"trained all {total_steps} steps")
     steps = list(range(1, total_steps + 1))
@@ -251,8 +248,8 @@ def test_schedule_of_saves_and_syncs(
     # exactly one blocking save, the last event, of the final step
     blocking = [e for e in engine.events if e[0] == "save" and e[2]]
     assert blocking == [engine.events[-1]] and blocking[0][1] == total_steps
-    synced = [s for s in steps if s % sync_interval == 0]
-    assert engine.last_sync_step == trainer.last_sync_step == (synced[-1] if synced else 0)
+    # the final save published the final weights, whatever the sync interval
+    assert engine.last_sync_step == trainer.last_sync_step == total_steps
     # every step trained its own, disjoint batch of the buffer's size
     all_eids = [eid for s in steps for eid in engine.batches[s]]
     assert len(all_eids) == len(set(all_eids)) == total_steps * config.buffer.train_batch_size
@@ -284,14 +281,14 @@ def test_the_sft_warmups_last_step_is_checkpointed(
 
     run_trainer(Trainer(config, engine=engine, hook=RecordingHook()))
 
-    assert engine.events == expected_events(6, 4, 2, save_hf, sft_warmup=warmup)
+    assert engine.events == expected_events(6, 4, 2, sft_warmup=warmup)
     saves = [e[1] for e in engine.events if e[0] == "save"]
     assert saves == sorted({warmup, 4, 6})
 
 
 def test_expected_schedule_examples() -> None:
     """The independent schedule itself, on two hand-checked cases."""
-    assert expected_events(4, 2, 1, "last") == [
+    assert expected_events(4, 2, 1) == [
         ("train", 1),
         ("publish", 1),
         ("train", 2),
@@ -301,13 +298,36 @@ def test_expected_schedule_examples() -> None:
         ("train", 4),
         ("save", 4, True, True, True),
     ]
-    assert expected_events(3, 0, 2, "never") == [
+    assert expected_events(3, 0, 2) == [
         ("train", 1),
         ("train", 2),
         ("publish", 2),
         ("train", 3),
-        ("save", 3, True, False, False),
+        ("save", 3, True, True, True),
     ]
+
+
+class MemorySyncEngine(FakeEngine):
+    """Syncs by `sync_method: memory`: versions go to shared memory, not to disk."""
+
+    def upload_state_dict(self) -> dict[str, Any]:
+        self._record(("upload", self.step))
+        self.synced = self.step
+        return {"version": self.step}
+
+
+def test_the_final_weights_reach_disk_when_their_step_was_not_synced(tmp_path: Path) -> None:
+    """total_steps 5 with sync_interval 2: step 5 is never a due sync, yet its weights are
+    published on disk after the final save, so the evaluation after training scores them."""
+    config = make_config(tmp_path, total_steps=5, sync_interval=2, read_timeout_s=5.0)
+    config.synchronizer.sync_method = "memory"
+    fill_buffer(config, 5)
+    engine = MemorySyncEngine()
+
+    run_trainer(Trainer(config, engine=engine, hook=RecordingHook()))
+
+    assert engine.of_kind("upload") == [("upload", 2), ("upload", 4)]
+    assert engine.events[-2:] == [("save", 5, True, True, False), ("publish", 5)]
 
 
 @pytest.mark.parametrize("save_hf", ["always", "last", "never"])
@@ -328,7 +348,7 @@ def test_end_of_data_stops_early_with_final_save(tmp_path: Path, save_hf: str) -
     assert hook.steps == [1, 2, 3]
     assert engine.of_kind("publish") == [("publish", 2)]
     saves = engine.of_kind("save")
-    assert saves == [("save", 3, True, save_hf != "never", False)]
+    assert saves == [("save", 3, True, True, True)]  # the final weights are published
     assert engine.events[-1] == saves[-1]
     state = read_trainer_state(paths)
     assert state is not None
@@ -452,7 +472,7 @@ def test_explorer_request_synced_at_next_step_boundary(tmp_path: Path) -> None:
         ("publish", 2),
         ("train", 3),
         ("train", 4),
-        ("save", 4, True, True, False),
+        ("save", 4, True, True, True),  # every save is a weights version
     ]
     assert hook.syncs == [2]
     assert is_answered(written[0])
@@ -533,7 +553,7 @@ def test_request_answered_while_trainer_waits_for_data(tmp_path: Path) -> None:
         ("train", 1),
         ("publish", 1),
         ("train", 2),
-        ("save", 2, True, True, False),
+        ("save", 2, True, True, True),
     ]
     assert pending_requests(paths) == []
 

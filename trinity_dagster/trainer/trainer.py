@@ -328,16 +328,17 @@ class Trainer:
     ) -> dict[str, Any]:
         """Save a full checkpoint of the current step; only a blocking one waits for it.
 
-        Under sync_method `checkpoint`, a save at a step whose sync is due serves as the
-        sync: its HF export becomes the published weights, written once. If the step's
-        weights are withheld from explorers (failed health checks), the checkpoint is still
-        written and kept, but not published, and `SyncWithheldError` stops training.
+        Under sync_method `checkpoint`, every save of weights not yet published serves as a
+        sync, as in Trinity-RFT: its HF export becomes published weights version N, written
+        once, whether or not the step's sync was due. If the step's weights are withheld from
+        explorers (failed health checks), the checkpoint is still written and kept, but not
+        published, and `SyncWithheldError` stops training.
         """
         metrics: dict[str, Any] = {}
         step = self.train_step_num
         if step == 0:
             return metrics
-        serves = self._checkpoint_sync() and self._sync_due(self._requests())
+        serves = self._checkpoint_sync() and self.last_sync_step != step
         withheld = self._health_problems(step) if serves else []
         serves = serves and not withheld
         with timer(metrics, "time/save_checkpoint"):
@@ -370,11 +371,11 @@ class Trainer:
         return True
 
     def _publish_final_weights(self) -> None:
-        """Under sync_method `memory` or `nccl`, also publish the last synced weights on disk
-        if they are the final step's: versions held in memory go with the engine service, and
-        evaluations and later explorers read the files."""
+        """Under sync_method `memory` or `nccl`, also publish the final weights on disk, synced
+        or not: versions held in memory go with the engine service, and evaluations and later
+        explorers read the files (under `checkpoint` the final save published them)."""
         in_memory = self.config.synchronizer.sync_method in ("memory", "nccl")
-        if in_memory and self.train_step_num > 0 and self.last_sync_step == self.train_step_num:
+        if in_memory and self.train_step_num > 0:
             self.engine.save_state_dict()
 
     def _log_final_model(self) -> None:
@@ -445,7 +446,7 @@ class Trainer:
         return {"path": str(checkpoint_dir(self.paths, step))}
 
     def _sync_now(self, step: int) -> dict[str, Any]:
-        if step == self.train_step_num and self.last_sync_step != step:
+        if step == self.train_step_num:  # published now, or by a save still being written
             return self._sync()
         info = published_info(self.paths, step)
         if info is None:
