@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from trinity_dagster.config import (
+    ALGORITHM_ALIASES,
     ALGORITHM_PRESETS,
     AlgorithmConfig,
     ConfigError,
@@ -101,6 +102,11 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
         ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "greater than 1"),
         (
             {"algorithm": {"algorithm_type": "ppo"}},
+            "algorithm.algorithm_type",
+            "'ppo' (Trinity-RFT's default) trains a critic (value model)",
+        ),
+        (
+            {"algorithm": {"algorithm_type": "dapo"}},
             "algorithm.algorithm_type",
             "'grpo', 'rloo', 'reinforce_plus_plus', 'opmd', 'gspo' or 'sft'",
         ),
@@ -293,6 +299,26 @@ def test_every_algorithm_type_has_a_preset() -> None:
 def test_algorithm_type_selects_its_defaults(algorithm_type: str, selected: dict) -> None:
     algorithm = load_config(None, {"algorithm.algorithm_type": algorithm_type}).algorithm
     assert {key: getattr(algorithm, key) for key in selected} == selected
+
+
+@pytest.mark.parametrize("name", ["grpo", "GRPO", "rloo", "reinforceplusplus", "opmd"])
+def test_a_named_algorithm_type_takes_trinity_rfts_loss_defaults(name: str) -> None:
+    """Trinity-RFT's presets: symmetric clip 0.2, dual-clip 3, k2 KL loss at 0.001."""
+    algorithm = load_config(None, {"algorithm.algorithm_type": name}).algorithm
+    assert algorithm.algorithm_type == {"GRPO": "grpo"}.get(
+        name, ALGORITHM_ALIASES.get(name, name)
+    )
+    got = (algorithm.policy_loss_fn, algorithm.clip_range_low, algorithm.clip_range_high)
+    assert got == ("ppo", 0.2, 0.2)
+    assert (algorithm.dual_clip, algorithm.kl_loss_fn, algorithm.kl_loss_coef) == (3.0, "k2", 1e-3)
+    assert algorithm.uses_reference_model
+
+
+def test_without_an_algorithm_type_the_demos_grpo_applies() -> None:
+    algorithm = load_config(None, {"algorithm.repeat_times": 4}).algorithm
+    assert (algorithm.algorithm_type, algorithm.clip_range_high) == ("grpo", 0.28)
+    assert (algorithm.dual_clip, algorithm.kl_loss_fn) == (None, "none")
+    assert not algorithm.uses_reference_model
 
 
 def test_keys_set_in_the_file_override_the_algorithm_type(tmp_path: Path) -> None:

@@ -104,32 +104,51 @@ class ModelConfig(_Section):
 
 AlgorithmType = Literal["grpo", "rloo", "reinforce_plus_plus", "opmd", "gspo", "sft"]
 
-# The AlgorithmConfig keys each `algorithm_type` selects (Trinity-RFT's algorithm defaults,
-# where this trainer has the pieces; docs/algorithms.md). Keys the file sets override them.
+# Trinity-RFT's PPO-style loss defaults: symmetric clip 0.2, dual-clip c = 3 on negative
+# advantages, and a k2 KL loss against the reference model with coefficient 0.001.
+_TRINITY_PPO_LOSS: dict[str, Any] = {
+    "policy_loss_fn": "ppo",
+    "clip_range_low": 0.2,
+    "clip_range_high": 0.2,
+    "dual_clip": 3.0,
+    "kl_loss_fn": "k2",
+    "kl_loss_coef": 0.001,
+}
+
+# The AlgorithmConfig keys a named `algorithm_type` selects: Trinity-RFT's `default_config()`
+# of that algorithm and the default arguments of its functions (docs/trinity.md). Keys the
+# file sets override them; without `algorithm_type` the field defaults (the demo's) apply.
 ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": {"advantage_fn": "grpo", "policy_loss_fn": "ppo"},
-    "rloo": {"advantage_fn": "rloo", "policy_loss_fn": "ppo"},
-    "reinforce_plus_plus": {"advantage_fn": "reinforce_plus_plus", "policy_loss_fn": "ppo"},
-    "opmd": {"advantage_fn": "opmd", "policy_loss_fn": "ppo"},
+    "grpo": {"advantage_fn": "grpo", **_TRINITY_PPO_LOSS},
+    "rloo": {"advantage_fn": "rloo", **_TRINITY_PPO_LOSS},
+    "reinforce_plus_plus": {"advantage_fn": "reinforce_plus_plus", **_TRINITY_PPO_LOSS},
+    "opmd": {"advantage_fn": "opmd", **_TRINITY_PPO_LOSS},
     "gspo": {
         "advantage_fn": "grpo",
         "policy_loss_fn": "gspo",
         "clip_range_low": 3e-4,
         "clip_range_high": 4e-4,
         "loss_agg_mode": "seq-mean-token-mean",
+        "kl_loss_fn": "k2",
+        "kl_loss_coef": 0.001,
     },
-    "sft": {"policy_loss_fn": "sft"},
+    "sft": {"policy_loss_fn": "sft", "kl_loss_fn": "none"},
 }
+
+# Trinity-RFT's names of algorithms this project has under another name.
+ALGORITHM_ALIASES = {"reinforceplusplus": "reinforce_plus_plus"}
 
 
 class AlgorithmConfig(_Section):
     """The RL algorithm: advantage, policy loss, KL and loss aggregation, chosen by name.
 
-    `algorithm_type` fills the keys the file leaves out from its ALGORITHM_PRESETS entry.
+    A named `algorithm_type` fills the keys the file leaves out from its ALGORITHM_PRESETS
+    entry (Trinity-RFT's defaults); without one, the field defaults are the demo's GRPO.
     """
 
     algorithm_type: AlgorithmType = Field(
-        default="grpo", description="Selects the defaults of the keys in ALGORITHM_PRESETS."
+        default="grpo",
+        description="Selects the defaults of the keys in ALGORITHM_PRESETS when given.",
     )
     repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
     advantage_fn: Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"] = "grpo"
@@ -167,12 +186,27 @@ class AlgorithmConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        """The keys given, completed from the preset of their `algorithm_type`."""
-        if not isinstance(data, dict):
+        """The keys given, completed from the preset of their `algorithm_type` when named."""
+        if not isinstance(data, dict) or "algorithm_type" not in data:
             return data
-        name = data.get("algorithm_type", cls.model_fields["algorithm_type"].default)
+        name = data["algorithm_type"]
+        if isinstance(name, str):
+            name = ALGORITHM_ALIASES.get(name.lower(), name.lower())
+        if name == "ppo":
+            raise _at(
+                "algorithm.algorithm_type",
+                "'ppo' (Trinity-RFT's default) trains a critic (value model) beside the actor, "
+                "which this engine does not have yet; use a critic-free algorithm: "
+                + ", ".join(ALGORITHM_PRESETS),
+            )
         preset = ALGORITHM_PRESETS.get(name, {}) if isinstance(name, str) else {}
-        return {**preset, **data}
+        return {**preset, **data, "algorithm_type": name}
+
+    @field_validator("advantage_fn", mode="before")
+    @classmethod
+    def _advantage_alias(cls, value: object) -> object:
+        """Trinity-RFT spells reinforce_plus_plus `reinforceplusplus`."""
+        return ALGORITHM_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @property
     def uses_reference_model(self) -> bool:
@@ -196,7 +230,12 @@ class BufferConfig(_Section):
         default="groups", description="Pin whole GRPO groups, or single rows."
     )
     sample_strategy: Literal["fifo", "staleness_control", "priority"] = "fifo"
-    max_staleness: int = Field(default=4, ge=0, description="For staleness_control.")
+    max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        description="For staleness_control: the most weights versions a row may lag behind; "
+        "None: no limit (Trinity-RFT's default).",
+    )
     reuse_limit: int = Field(default=1, ge=1, description="For priority: uses per experience.")
     writer_max_retries: int = Field(default=20, ge=0)
     total_epochs: int | None = Field(

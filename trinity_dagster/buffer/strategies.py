@@ -96,7 +96,11 @@ def _staleness_control(candidates: pa.Table, ctx: SampleContext) -> Selection:
     limit = ctx.config.buffer.max_staleness
     versions = candidates.column("model_version").to_pylist()
     eids = candidates.column("eid").to_pylist()
-    stale = {i for i, v in enumerate(versions) if ctx.current_version - v > limit}
+    stale = (
+        set()
+        if limit is None
+        else {i for i, v in enumerate(versions) if ctx.current_version - v > limit}
+    )
     fresh_units, dropped_rows = [], set(stale)
     for unit in _units(candidates, ctx.config):
         if stale.intersection(unit):
