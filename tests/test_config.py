@@ -305,9 +305,7 @@ def test_algorithm_type_selects_its_defaults(algorithm_type: str, selected: dict
 def test_a_named_algorithm_type_takes_trinity_rfts_loss_defaults(name: str) -> None:
     """Trinity-RFT's presets: symmetric clip 0.2, dual-clip 3, k2 KL loss at 0.001."""
     algorithm = load_config(None, {"algorithm.algorithm_type": name}).algorithm
-    assert algorithm.algorithm_type == {"GRPO": "grpo"}.get(
-        name, ALGORITHM_ALIASES.get(name, name)
-    )
+    assert algorithm.algorithm_type == {"GRPO": "grpo"}.get(name, ALGORITHM_ALIASES.get(name, name))
     got = (algorithm.policy_loss_fn, algorithm.clip_range_low, algorithm.clip_range_high)
     assert got == ("ppo", 0.2, 0.2)
     assert (algorithm.dual_clip, algorithm.kl_loss_fn, algorithm.kl_loss_coef) == (3.0, "k2", 1e-3)

@@ -17,6 +17,8 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -29,6 +31,7 @@ from pydantic import (
 from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
 from trinity_dagster.explorer.tasks import TASKSETS
 from trinity_dagster.paths import delta_unaddressable, local_path, uri_scheme
+from trinity_dagster.trinity_keys import TrinityKeyError, translate
 
 DEFAULT_RUN_ROOT = "runs/demo"
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
@@ -94,7 +97,7 @@ class ModelConfig(_Section):
                 f"hidden_size ({self.hidden_size}) must be divisible by "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        if self.max_model_len > self.max_position_embeddings:
+        if self.path is None and self.max_model_len > self.max_position_embeddings:
             raise ValueError(
                 f"max_prompt_tokens + max_response_tokens ({self.max_model_len}) exceeds "
                 f"max_position_embeddings ({self.max_position_embeddings})"
@@ -292,7 +295,9 @@ class TrainerConfig(_Section):
     )
     save_interval: int = Field(default=100, ge=0, description="0: only the final save.")
     save_hf_checkpoint: Literal["always", "last", "never"] = "last"
-    max_checkpoints_to_keep: int | None = Field(default=3, ge=1, description="None keeps all.")
+    max_checkpoints_to_keep: int | None = Field(
+        default=3, ge=1, description="None (or 0, as in Trinity-RFT) keeps all."
+    )
     micro_batch_size: int = Field(
         default=128,
         ge=1,
@@ -317,6 +322,12 @@ class TrainerConfig(_Section):
         description="Learning rate of the SFT warm-up steps; None: the schedule's (optim.lr).",
     )
 
+    @field_validator("max_checkpoints_to_keep", mode="before")
+    @classmethod
+    def _zero_keeps_all(cls, value: object) -> object:
+        """Trinity-RFT writes "keep all" as 0 (or a negative number)."""
+        return None if isinstance(value, int) and value <= 0 else value
+
 
 class SynchronizerConfig(_Section):
     """How and when trained weights reach the explorers."""
@@ -335,8 +346,38 @@ class SynchronizerConfig(_Section):
     @field_validator("sync_method", mode="before")
     @classmethod
     def _method_any_case(cls, value: object) -> object:
-        """Trinity writes the method in any case (`NCCL`, `Checkpoint`)."""
-        return value.lower() if isinstance(value, str) else value
+        """Trinity writes the method in any case (`NCCL`, `Checkpoint`), or by its aliases."""
+        if not isinstance(value, str):
+            return value
+        value = {"online": "nccl", "offline": "checkpoint"}.get(value.lower(), value.lower())
+        if value == "hccl":
+            raise ValueError(
+                "'hccl' syncs over Ascend NPUs' collective library, which this engine does not "
+                "run on; use 'nccl' (gloo on CPU)"
+            )
+        return value
+
+    @field_validator("sync_style", mode="before")
+    @classmethod
+    def _style_by_trinitys_names(cls, value: object) -> object:
+        """Trinity's styles and aliases, in any case; those without an equal here refused."""
+        if not isinstance(value, str):
+            return value
+        value = value.lower()
+        value = {"dynamic_by_explorer": "explorer_driven"}.get(value, value)
+        if value in ("trainer_driven", "dynamic_by_trainer"):
+            raise ValueError(
+                f"{value!r} (the trainer pushes weights every trainer_sync_interval and "
+                "explorers take them at their next sync point) is not implemented; 'fixed' "
+                "publishes on the same schedule and explorers wait for it"
+            )
+        if value == "fully_async":
+            raise ValueError(
+                "'fully_async' (explorers never wait for weights and pick up new versions in "
+                "the background) is not implemented; 'fixed' with sync_offset >= 1 lets "
+                "explorers run that many steps ahead of the trainer"
+            )
+        return value
 
 
 class MegatronConfig(_Section):
@@ -724,7 +765,10 @@ def config_from_dict(
     directory).
     """
     try:
-        cfg = TrinityConfig.model_validate(data)
+        cfg = TrinityConfig.model_validate(translate(data))
+    except TrinityKeyError as err:
+        lines = "\n".join(f"  {line}" for line in err.lines)
+        raise ConfigError(f"Trinity-RFT keys in {source} that cannot act here:\n{lines}") from None
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
     base = base_dir or Path.cwd()
@@ -769,7 +813,8 @@ def _resolve(path: str, base: Path) -> str:
 
 
 def check_inputs(config: TrinityConfig) -> None:
-    """Refuse a configuration whose inputs do not exist: `model.path` and the task files.
+    """Refuse a configuration whose inputs do not exist or do not fit: `model.path` (and its
+    positions) and the task files.
 
     The one-line message names each missing input's key path and path. Built-in task sets
     need no file; outputs (`run_root`, `buffer.tables_root`) are created when needed.
@@ -784,6 +829,14 @@ def _missing_inputs(config: TrinityConfig) -> Iterator[str]:
     model_path = config.model.path
     if model_path is not None and not Path(model_path).is_dir():
         yield f"model.path: no such directory: {model_path}"
+    elif model_path is not None and (Path(model_path) / "config.json").is_file():
+        hf = json.loads((Path(model_path) / "config.json").read_text())
+        positions = hf.get("max_position_embeddings")
+        if isinstance(positions, int) and config.model.max_model_len > positions:
+            yield (
+                f"model.max_prompt_tokens + max_response_tokens ({config.model.max_model_len}) "
+                f"exceeds max_position_embeddings ({positions}) of {model_path}/config.json"
+            )
     for field in ("taskset", "eval_taskset"):
         value = getattr(config.explorer, field)
         if value in TASKSETS or Path(value).is_file():
@@ -822,11 +875,24 @@ def load_config(
                 f"invalid configuration in {file}: the top level must be a mapping, "
                 f"got {type(loaded).__name__}"
             )
-        data = loaded
+        data = _resolve_interpolations(loaded, file)
         base_dir = file.resolve().parent
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     return config_from_dict(data, source, base_dir)
+
+
+def _resolve_interpolations(data: dict[str, Any], file: Path) -> dict[str, Any]:
+    """`data` with OmegaConf interpolations (`${oc.env:NAME,default}`, `${section.key}`)
+    resolved, as Trinity-RFT resolves them in its configs."""
+    if "${" not in json.dumps(data, default=str):
+        return data
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"invalid configuration in {file}: {err}".splitlines()[0]) from None
+    assert isinstance(resolved, dict)
+    return {str(key): value for key, value in resolved.items()}
 
 
 class _DuplicateKeyError(ValueError):

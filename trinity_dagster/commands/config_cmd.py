@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+import yaml
+
 from trinity_dagster.config import check_inputs, load_config
+from trinity_dagster.trinity_keys import trinity_names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Print the configuration with every default filled in and paths resolved, once its
-    input files and directories are found."""
+    input files and directories are found; a key this project only renames from Trinity-RFT's
+    is printed under Trinity's name."""
     cfg = load_config(args.config)
     check_inputs(cfg)
-    print(cfg.to_yaml(), end="")
+    print(yaml.safe_dump(trinity_names(cfg.model_dump(mode="json")), sort_keys=False), end="")
     return 0
