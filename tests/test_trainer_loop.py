@@ -307,6 +307,35 @@ def test_expected_schedule_examples() -> None:
     ]
 
 
+def test_each_step_logs_trinitys_sample_and_sync_interval_metrics(tmp_path: Path) -> None:
+    """`sample/task_count` and `sample/model_version/*` of the pinned rows (also of a batch
+    an earlier run pinned), and `time/trainer_sync_interval` from the second sync on."""
+    from trinity_dagster.buffer.reader import load_step_batch
+    from trinity_dagster.buffer.writer import ExperienceWriter
+
+    config = make_config(tmp_path, total_steps=3, sync_interval=1, read_timeout_s=5.0)
+    groups = 3 * config.buffer.train_batch_size // config.algorithm.repeat_times
+    rows = run_helpers.synthetic_rows(config, groups, seed=0)
+    for row in rows:  # two groups per task, versions 0..2 across groups
+        group = int(row["group_id"].rsplit("-", 1)[1])
+        row["task_id"], row["model_version"] = f"t{group // 2}", group % 3
+    assert ExperienceWriter(config).write(rows).quarantined == 0
+    run_helpers.pin_steps(config, range(1, 2))  # step 1 was pinned before this run
+    hook = RecordingHook()
+
+    run_trainer(Trainer(config, engine=FakeEngine(), hook=hook))
+
+    for step, metrics in zip([1, 2, 3], hook.metrics, strict=True):
+        pinned = load_step_batch(config, step)
+        versions = pinned.column("model_version").to_pylist()
+        assert metrics["sample/task_count"] == len(set(pinned.column("task_id").to_pylist()))
+        assert metrics["sample/model_version/mean"] == pytest.approx(sum(versions) / len(versions))
+        assert metrics["sample/model_version/max"] == max(versions)
+        assert metrics["sample/model_version/min"] == min(versions)
+    assert "time/trainer_sync_interval" not in hook.metrics[0]  # the first sync
+    assert hook.metrics[1]["time/trainer_sync_interval"] > 0  # (step 3's: the final save)
+
+
 class MemorySyncEngine(FakeEngine):
     """Syncs by `sync_method: memory`: versions go to shared memory, not to disk."""
 

@@ -106,6 +106,16 @@ def _step_rows(batches: DeltaTable, steps: list[int], columns: list[str]) -> pa.
     return dataset.to_table(columns=columns, filter=ds.field("step").isin(steps))
 
 
+def pinned_columns(paths: RunPaths, step: int, columns: list[str]) -> pa.Table:
+    """`columns` of the train rows pinned to `step`, in batch order (empty: none pinned)."""
+    batches = open_table(paths.batches)
+    if batches is None:
+        return pa.table({name: pa.array([]) for name in columns})
+    rows = _step_rows(batches, [step], [*columns, "kind", "position"])
+    rows = rows.filter(pc.equal(rows.column("kind"), "train")).sort_by("position")
+    return rows.select(columns)
+
+
 def _existing(batches: DeltaTable, step: int) -> PinResult:
     rows = _step_rows(
         batches, [step], ["eid", "kind", "position", "source_version", "strategy", "sampler_state"]

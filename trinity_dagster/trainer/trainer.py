@@ -47,6 +47,7 @@ from trinity_dagster.trainer import control
 from trinity_dagster.trainer.control import ControlRequest
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
 from trinity_dagster.trainer.run_state import DATA_ENDED, STOPPED, write_trainer_state
+from trinity_dagster.trainer.sample_metrics import sample_metrics
 from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, pending_requests
 from trinity_dagster.weight_sync.announce import announced_version
 
@@ -116,6 +117,8 @@ class Trainer:
         self.last_sync_step = 0
         self._last_record: dict[str, Any] | None = None
         self._halt: ControlRequest | None = None  # the pause or stop request being obeyed
+        self._last_sync_at: float | None = None  # perf_counter() of this loop's last sync
+        self._wait_metrics: dict[str, Any] = {}  # of syncs made while waiting for data
         self.monitor = MonitorGroup({})  # the tracking backends, started by prepare()
 
     @property
@@ -206,6 +209,9 @@ class Trainer:
             except _Halted:
                 return self._halt_reason()
             step = batch.step
+            metrics.update(self._wait_metrics)
+            self._wait_metrics = {}
+            metrics.update(sample_metrics(self.paths, batch))
             metrics.update(await self.train_step(batch))
             metrics.update(await self._finish_step(final=step == self.total_steps))
             metrics["time/step"] = time.perf_counter() - started
@@ -273,7 +279,7 @@ class Trainer:
                     f"no new experience for {waited:.0f} s (buffer.read_timeout_s); "
                     f"{shortfall.message}"
                 )
-            await self._serve_sync()  # explorers waiting for weights go on
+            self._wait_metrics.update(await self._serve_sync())  # waiting explorers go on
             if self._serve_control() is not None:
                 raise _Halted
             await asyncio.sleep(POLL_S)
@@ -306,6 +312,7 @@ class Trainer:
         metrics: dict[str, Any] = {}
         with timer(metrics, "time/sync_weight"):
             info = self._sync()
+        self._note_sync(metrics)
         self.hook.on_sync(self.train_step_num, info)
         return metrics
 
@@ -351,8 +358,16 @@ class Trainer:
             raise SyncWithheldError(step, withheld)
         if serves:
             self.last_sync_step = self.train_step_num
+            self._note_sync(metrics)
             answer_requests(self._requests())
         return metrics
+
+    def _note_sync(self, metrics: dict[str, Any]) -> None:
+        """Add `time/trainer_sync_interval`: seconds since this loop's previous sync."""
+        now = time.perf_counter()
+        if self._last_sync_at is not None:
+            metrics["time/trainer_sync_interval"] = now - self._last_sync_at
+        self._last_sync_at = now
 
     async def shutdown(self) -> None:
         """Release the engine connection (the engine service keeps running until idle) and
