@@ -42,9 +42,11 @@ from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.sampler import PinResult, PinShortfall, pin_batch
 from trinity_dagster.checkpoint.layout import latest_weights_version
 from trinity_dagster.lineage.queries import counts_by
+from trinity_dagster.monitor.base import markdown_table
 from trinity_dagster.service.records import read_record
 from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
 from trinity_dagster.trainer import SyncWithheldError, Trainer, TrainerHook
+from trinity_dagster.trainer.preview import TABLE as PREVIEW_TABLE
 
 ENGINE_POOL = "engine"
 CHECKS = ("loss_is_finite", "kl_within_bound")
@@ -102,6 +104,7 @@ class DagsterTrainerHook(TrainerHook):
         self.partitions = StepPartitions(context.instance)
         # the last batch reported: its step, data version and upstream metadata for the step
         self.upstream: tuple[int, str, dict[str, Any]] | None = None
+        self.preview: tuple[int, list[dict[str, Any]]] | None = None  # the last one logged
 
     def log(
         self, asset: str, step: int, metadata: dict[str, Any], tags: dict[str, str] | None = None
@@ -135,7 +138,12 @@ class DagsterTrainerHook(TrainerHook):
             synced=step in self.synced,
             saved="time/save_checkpoint" in metrics,
         )
+        if self.preview is not None and self.preview[0] == step:
+            metadata[PREVIEW_TABLE] = dg.MetadataValue.md(markdown_table(self.preview[1]))
         self.log(TRAIN, step, metadata, tags)
+
+    def on_preview(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.preview = (step, rows)
 
     def on_sync(self, step: int, info: dict[str, Any]) -> None:
         self.synced.add(step)

@@ -94,6 +94,10 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     assert metadata(instance, "experience_batch", "000001")["batch_size"] == 8
     assert metadata(instance, "synced_weights", "000001")["version"] == 1
     assert check_passed(one, "loss_is_finite") and check_passed(one, "kl_within_bound")
+    groups = config.buffer.train_batch_size // config.algorithm.repeat_times
+    assert step1["sample/task_count"] == groups  # one task per group in fill_buffer's rows
+    preview = step1["rollout_examples"].splitlines()  # its lowest- and highest-reward rows
+    assert preview[0] == "| step | prompt | response | reward |" and len(preview) == 4, preview
 
     # a restarted sensor asks for the steps left, from the newest trained one on
     run_config = resources["run_config"]

@@ -13,7 +13,7 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import tests.run_helpers as run_helpers
 from tests.run_helpers import fill_buffer, tiny_config
 from tests.test_trainer_loop import FakeEngine, RecordingHook
+from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
+from trinity_dagster.explorer.tokenizer import build_tokenizer
 from trinity_dagster.monitor import Monitor, MonitorError, MonitorGroup
+from trinity_dagster.monitor.base import markdown_table
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.trainer import SyncWithheldError, Trainer
+from trinity_dagster.trainer.preview import TABLE as PREVIEW
 
 ALL_BACKENDS = ["tensorboard", "mlflow", "jsonl"]
 StepMetrics = dict[int, dict[str, float]]
@@ -159,6 +163,66 @@ def test_each_step_reaches_every_backend_as_the_hook_received_it(
     assert jsonl_lines(root) == [{"step": s, "metrics": m} for s, m in expected.items()]
 
 
+class PreviewHook(RecordingHook):
+    def __init__(self) -> None:
+        super().__init__()
+        self.previews: list[tuple[int, list[dict[str, Any]]]] = []
+
+    def on_preview(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.previews.append((step, rows))
+
+
+def expected_preview(config: TrinityConfig, steps: list[int], tokenizer: Any) -> list[dict]:
+    """The lowest- and highest-reward pinned row of each step, decoded by transformers."""
+    expected = []
+    for step in steps:
+        rows = load_step_batch(config, step)
+        rewards = rows.column("reward").to_pylist()
+        for i in (rewards.index(min(rewards)), rewards.index(max(rewards))):
+            tokens = rows.column("tokens")[i].as_py()
+            split = rows.column("prompt_length")[i].as_py()
+            expected.append(
+                {
+                    "step": step,
+                    "prompt": tokenizer.decode(tokens[:split], skip_special_tokens=True),
+                    "response": tokenizer.decode(tokens[split:], skip_special_tokens=True),
+                    "reward": rewards[i],
+                }
+            )
+    return expected
+
+
+def test_the_rollout_preview_reaches_every_backend_that_keeps_tables(
+    tmp_path: Path, fake_vocab: None
+) -> None:
+    """`trainer.enable_preview`: every `sync_interval` (2) steps the table `rollout_examples`
+    of the steps since the last one goes to MLflow (an artifact in its table format),
+    TensorBoard (the Text tab) and the hook (the step's Dagster materialisation)."""
+    config = monitored_config(tmp_path, ALL_BACKENDS, total_steps=5, save_hf_checkpoint="never")
+    config.synchronizer.sync_interval = 2
+    tokenizer = build_tokenizer(RunPaths.of_config(config).tokenizer)  # as the run writes it
+    fill_buffer(config, 5)
+    hook = PreviewHook()
+
+    asyncio.run(Trainer(config, engine=FakeEngine(), hook=hook).run())
+
+    first, second = (
+        expected_preview(config, [1, 2], tokenizer),
+        expected_preview(config, [3, 4], tokenizer),
+    )
+    assert hook.previews == [(2, first), (4, second)]  # step 5's waits for step 6
+    client, run = mlflow_run(config)
+    saved = client.download_artifacts(run.info.run_id, "rollout_examples.json", str(tmp_path))
+    table = json.loads(Path(saved).read_text())
+    assert table["columns"] == ["step", "prompt", "response", "reward"]
+    assert table["data"] == [[row[c] for c in table["columns"]] for row in first + second]
+    events = EventAccumulator(
+        str(tmp_path / "run" / "logs" / "tensorboard"), size_guidance={"tensors": 0}
+    ).Reload()
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(PREVIEW)}
+    assert texts == {2: markdown_table(first), 4: markdown_table(second)}
+
+
 @pytest.mark.parametrize(
     ("backends", "not_imported"),
     [
@@ -221,6 +285,9 @@ class Failing(Monitor):
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         raise OSError("disk full")
+
+    def log_table(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        raise AssertionError("not called here")
 
     def log_final_model(self, hf_dir: Path) -> None:
         raise AssertionError("not called here")

@@ -168,7 +168,6 @@ def test_loss_arguments_act_on_the_algorithm(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("data", "key", "says"),
     [
-        ({"trainer": {"enable_preview": True}}, "trainer.enable_preview", "not implemented yet"),
         (
             {"algorithm": {"kl_loss_fn_args": {"adaptive": True}}},
             "algorithm.kl_loss_fn_args",

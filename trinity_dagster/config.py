@@ -321,6 +321,11 @@ class TrainerConfig(_Section):
         gt=0,
         description="Learning rate of the SFT warm-up steps; None: the schedule's (optim.lr).",
     )
+    enable_preview: bool = Field(
+        default=True,
+        description="Log the table rollout_examples (each step's lowest- and highest-reward "
+        "experience as text) every synchronizer.sync_interval steps, as Trinity-RFT does.",
+    )
 
     @field_validator("max_checkpoints_to_keep", mode="before")
     @classmethod

@@ -595,10 +595,10 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
         "under tensor parallelism)",
         accepts=(1,),
     ),
-    _refused(
+    _same(
         "trainer.enable_preview",
-        "logs a rollout examples table; not implemented yet: remove the key",
-        accepts=(False,),
+        "the rollout_examples table to MLflow, TensorBoard (Text) and the step's Dagster "
+        "materialisation",
     ),
     _refused("trainer.critic_warmup", "trains PPO's critic first; PPO is not built yet: remove it"),
     _refused(

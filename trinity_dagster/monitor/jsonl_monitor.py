@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,9 @@ class JsonlMonitor(Monitor):
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self._file.write(json.dumps({"step": step, "metrics": dict(metrics)}) + "\n")
         self._file.flush()
+
+    def log_table(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Nothing: the file holds metrics only."""
 
     def log_final_model(self, hf_dir: Path) -> None:
         """Nothing: the file holds metrics only."""

@@ -9,7 +9,7 @@ configuration, its metrics every step's, its artifact `model` the final HF expor
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ class MlflowMonitor(Monitor):
             experiment_id, run_name=config.name, tags={RUN_ROOT_TAG: str(self._paths.root)}
         )
         self.run_id: str = run.info.run_id
+        self._tables: dict[str, list[dict[str, Any]]] = {}
         params = flat_params(config.model_dump(mode="json"))
         self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
 
@@ -74,6 +75,15 @@ class MlflowMonitor(Monitor):
             self.run_id,
             metrics=[Metric(k, v, timestamp, step) for k, v in scalars(metrics).items()],
         )
+
+    def log_table(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """The artifact `<name>.json` in MLflow's table format (`columns`, `data`), holding
+        every row this run logged to it so far (as `mlflow.log_table` appends)."""
+        table = self._tables.setdefault(name, [])
+        table += [dict(row) for row in rows]
+        columns = list(table[0]) if table else []
+        data = {"columns": columns, "data": [[row[c] for c in columns] for row in table]}
+        self._client.log_dict(self.run_id, data, artifact_file=f"{name}.json")
 
     def log_final_model(self, hf_dir: Path) -> None:
         """Log the HF directory as the run's artifact `model`."""

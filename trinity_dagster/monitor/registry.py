@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,11 @@ class MonitorGroup(Monitor):
         for name, backend in self.backends.items():
             with _named(name, f"log the metrics of step {step}"):
                 backend.log(step, metrics)
+
+    def log_table(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        for backend_name, backend in self.backends.items():
+            with _named(backend_name, f"log the table {name} of step {step}"):
+                backend.log_table(name, step, rows)
 
     def log_final_model(self, hf_dir: Path) -> None:
         for name, backend in self.backends.items():

@@ -7,16 +7,17 @@ process imports no torch; `tensorboard --logdir <run_root>/logs/tensorboard` sho
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.text.summary_v2 import text_pb
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from trinity_dagster.config import TrinityConfig
-from trinity_dagster.monitor.base import Monitor, scalars
+from trinity_dagster.monitor.base import Monitor, markdown_table, scalars
 from trinity_dagster.paths import RunPaths
 
 
@@ -39,6 +40,12 @@ class TensorBoardMonitor(Monitor):
             Event(wall_time=time.time(), step=step, summary=Summary(value=values))
         )
         self._writer.flush()  # visible to TensorBoard now, and kept if the process is killed
+
+    def log_table(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A Markdown table in TensorBoard's Text tab, under the tag `name`."""
+        summary = text_pb(name, markdown_table(rows))
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+        self._writer.flush()
 
     def log_final_model(self, hf_dir: Path) -> None:
         """Nothing: TensorBoard shows no models."""

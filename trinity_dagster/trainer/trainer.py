@@ -46,6 +46,8 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer import control
 from trinity_dagster.trainer.control import ControlRequest
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
+from trinity_dagster.trainer.preview import TABLE as PREVIEW_TABLE
+from trinity_dagster.trainer.preview import RolloutPreview
 from trinity_dagster.trainer.run_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.trainer.sample_metrics import sample_metrics
 from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, pending_requests
@@ -87,6 +89,10 @@ class TrainerHook:
         """Weights version N are published to explorers (not called for a sync that a control
         request asked for: the asking run records it)."""
 
+    def on_preview(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The rollout examples table was logged at step N (`trainer.enable_preview`; called
+        before that step's `on_step`)."""
+
 
 @contextmanager
 def timer(metrics: dict[str, Any], name: str) -> Iterator[None]:
@@ -119,6 +125,7 @@ class Trainer:
         self._halt: ControlRequest | None = None  # the pause or stop request being obeyed
         self._last_sync_at: float | None = None  # perf_counter() of this loop's last sync
         self._wait_metrics: dict[str, Any] = {}  # of syncs made while waiting for data
+        self.preview = RolloutPreview(self.paths) if config.trainer.enable_preview else None
         self.monitor = MonitorGroup({})  # the tracking backends, started by prepare()
 
     @property
@@ -218,11 +225,22 @@ class Trainer:
             assert self._last_record is not None
             # reported once the weights are out, so explorers go on while the hook records
             self.hook.on_batch(step, batch)
+            self._log_preview(batch)
             self.hook.on_step(step, self._last_record, metrics)
             self.monitor.log(step, metrics)
         if end is not None and end == self.total_steps:
             return f"trained all {end} steps (trainer.total_steps)", True
         return f"trained up to step {end}, the end of the requested range", False
+
+    def _log_preview(self, batch: PinResult) -> None:
+        """Collect the batch's rollout examples; log them every `sync_interval` steps."""
+        if self.preview is None:
+            return
+        self.preview.add(batch)
+        if batch.step % self.config.synchronizer.sync_interval == 0:
+            rows = self.preview.take()
+            self.monitor.log_table(PREVIEW_TABLE, batch.step, rows)
+            self.hook.on_preview(batch.step, rows)
 
     async def _finish_step(self, *, final: bool) -> dict[str, Any]:
         """Sync and save the current step as due; the final save is left to `train`."""
