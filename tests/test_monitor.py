@@ -21,6 +21,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2 as pb
 
 import tests.run_helpers as run_helpers
 from tests.run_helpers import fill_buffer, tiny_config
@@ -36,7 +37,7 @@ from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.trainer import SyncWithheldError, Trainer
 from trinity_dagster.trainer.preview import TABLE as PREVIEW
 
-ALL_BACKENDS = ["tensorboard", "mlflow", "jsonl"]
+ALL_BACKENDS = ["tensorboard", "mlflow", "jsonl", "wandb"]
 StepMetrics = dict[int, dict[str, float]]
 
 
@@ -102,6 +103,51 @@ def mlflow_steps(client: MlflowClient, run: Run) -> StepMetrics:
     return steps
 
 
+def wandb_records(run_root: Path) -> list[pb.Record]:
+    """The records of the run root's one offline W&B run, read from its `.wandb` file: a
+    LevelDB-style log (a 7-byte `:W&B` header, then 32 KiB blocks of chunks, each with a
+    crc32, a length and a type: 1 whole, 2 first, 3 middle, 4 last) of `Record` protobufs."""
+    (file,) = (run_root / "logs" / "wandb").glob("offline-run-*/run-*.wandb")
+    data = file.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    records, pending, at = [], b"", 7
+    while at + 7 <= len(data):
+        block_left = 32768 - at % 32768
+        if block_left < 7:  # a block's tail too short for a chunk header is padding
+            at += block_left
+            continue
+        length, kind = int.from_bytes(data[at + 4 : at + 6], "little"), data[at + 6]
+        if kind == 0 and length == 0:
+            break  # zero padding: the end of what was written
+        chunk, at = data[at + 7 : at + 7 + length], at + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_steps(run_root: Path) -> StepMetrics:
+    """Every scalar logged to the offline W&B run, by step."""
+    steps: StepMetrics = {}
+    for record in wandb_records(run_root):
+        if record.WhichOneof("record_type") != "history":
+            continue
+        # a metric has one key ("actor/pg_loss"); a logged table's summary is a nested one
+        items = {
+            item.key or item.nested_key[0]: item.value_json
+            for item in record.history.item
+            if item.key or len(item.nested_key) == 1
+        }
+        step = int(json.loads(items.pop("_step")))
+        for key, value in items.items():
+            value = json.loads(value)
+            if not key.startswith("_") and isinstance(value, int | float):
+                steps.setdefault(step, {})[key] = value
+    return steps
+
+
 def jsonl_lines(run_root: Path) -> list[dict[str, Any]]:
     lines = (run_root / "logs" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -124,8 +170,12 @@ def assert_config_params(run: Run, config: TrinityConfig) -> None:
 @pytest.mark.parametrize(
     ("monitor", "key", "says"),
     [
-        ({"backends": ["neptune"]}, "monitor.backends.0", "'tensorboard', 'mlflow' or 'jsonl'"),
-        ({"backends": ["wandb"]}, "monitor.backends", "only a W&B server shows"),
+        (
+            {"backends": ["neptune"]},
+            "monitor.backends.0",
+            "'tensorboard', 'mlflow', 'jsonl' or 'wandb'",
+        ),
+        ({"wandb_mode": "cloud"}, "monitor.wandb_mode", "'offline' or 'online'"),
         ({"backends": ["jsonl", "jsonl"]}, "monitor.backends", "jsonl listed more than once"),
         ({"metrics_file": True}, "monitor.metrics_file", "replaced by monitor.backends"),
     ],
@@ -161,6 +211,7 @@ def test_each_step_reaches_every_backend_as_the_hook_received_it(
     assert run.info.status == "FINISHED"
     assert_config_params(run, config)
     assert jsonl_lines(root) == [{"step": s, "metrics": m} for s, m in expected.items()]
+    assert wandb_steps(root) == expected
 
 
 class PreviewHook(RecordingHook):
@@ -221,6 +272,15 @@ def test_the_rollout_preview_reaches_every_backend_that_keeps_tables(
     ).Reload()
     texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors(PREVIEW)}
     assert texts == {2: markdown_table(first), 4: markdown_table(second)}
+    wandb_tables = sorted(
+        (tmp_path / "run" / "logs" / "wandb").glob("offline-run-*/files/media/table/*.json"),
+        key=lambda file: int(file.name.split("_")[2]),  # rollout_examples_<step>_<hash>
+    )
+    logged = [json.loads(file.read_text()) for file in wandb_tables]
+    assert [table["data"] for table in logged] == [
+        [[row[c] for c in table["columns"]] for row in rows]
+        for table, rows in zip(logged, (first, second), strict=True)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -336,3 +396,11 @@ def test_a_real_run_logs_every_step_and_the_final_model(tmp_path: Path) -> None:
     assert "model.safetensors" in names and sorted(p.name for p in logged.iterdir()) == names
     for name in names:
         assert (logged / name).read_bytes() == (exported / name).read_bytes(), name
+    # and as the W&B run's model artifact, with each file's digest
+    records = wandb_records(paths.root)
+    (artifact,) = [
+        r.artifact for r in records if r.HasField("artifact") and r.artifact.type == "model"
+    ]
+    assert artifact.name == "model"
+    assert sorted(entry.path for entry in artifact.manifest.contents) == names
+    assert wandb_steps(paths.root) == expected

@@ -184,7 +184,12 @@ def test_loss_arguments_act_on_the_algorithm(tmp_path: Path) -> None:
             "synchronizer.trainer_sync_interval",
             "share one interval",
         ),
-        ({"monitor": {"monitor_type": "wandb"}}, "monitor.monitor_type", "tensorboard, mlflow"),
+        ({"monitor": {"monitor_type": "swanlab"}}, "monitor.monitor_type", "tensorboard, mlflow"),
+        (
+            {"monitor": {"monitor_type": "wandb", "monitor_args": {"api_key": "k"}}},
+            "monitor.monitor_args",
+            "WANDB_API_KEY",
+        ),
         ({"group": "g"}, "group", "checkpoint_root_dir"),
         ({"continue_from_checkpoint": False}, "continue_from_checkpoint", "new `name`"),
         (

@@ -544,12 +544,7 @@ class DagsterConfig(_Section):
         return value
 
 
-MonitorBackend = Literal["tensorboard", "mlflow", "jsonl"]
-_WANDB_REFUSED = (
-    "'wandb' is not supported: W&B's offline mode keeps a run in a local directory that "
-    "only a W&B server shows (after `wandb sync`, over the network); use 'mlflow' (a local "
-    "SQLite store, `mlflow ui`) or 'tensorboard'"
-)
+MonitorBackend = Literal["tensorboard", "mlflow", "jsonl", "wandb"]
 
 
 class MonitorConfig(_Section):
@@ -560,16 +555,25 @@ class MonitorConfig(_Section):
         default=["tensorboard", "jsonl"],
         description="Where the trainer also sends each step's metrics: 'tensorboard' "
         "(logs/tensorboard/), 'mlflow' (logs/mlflow/, or mlflow_tracking_uri), 'jsonl' "
-        "(logs/metrics.jsonl).",
+        "(logs/metrics.jsonl), 'wandb' (logs/wandb/, or a W&B server).",
     )
     mlflow_tracking_uri: str | None = Field(
         default=None,
         description="MLflow tracking store or server; None: SQLite under logs/mlflow/.",
     )
+    wandb_mode: Literal["offline", "online"] | None = Field(
+        default=None,
+        description="'offline' keeps W&B runs under logs/wandb/ (upload later with `wandb "
+        "sync`); 'online' sends them to wandb_base_url, with WANDB_API_KEY from the "
+        "environment. None: the environment's WANDB_MODE, else 'offline'.",
+    )
+    wandb_base_url: str | None = Field(
+        default=None, description="The W&B server of 'online' runs; None: W&B's default."
+    )
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_replaced_and_unsupported(cls, data: Any) -> Any:
+    def _refuse_replaced(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         if "metrics_file" in data:
@@ -578,9 +582,6 @@ class MonitorConfig(_Section):
                 "replaced by monitor.backends: list 'jsonl' there to append each step's "
                 "metrics to logs/metrics.jsonl",
             )
-        backends = data.get("backends")
-        if isinstance(backends, list) and "wandb" in backends:
-            raise _at("monitor.backends", _WANDB_REFUSED)
         return data
 
     @model_validator(mode="after")

@@ -221,17 +221,29 @@ def _max_model_len(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _monitor_type(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
-    if value not in ("tensorboard", "mlflow"):
+    if value not in ("tensorboard", "mlflow", "wandb"):
         raise ValueError(
-            f"{value!r} is not supported: monitor.backends offers tensorboard, mlflow and jsonl"
+            f"{value!r} is not supported: monitor.backends offers tensorboard, mlflow, wandb "
+            "and jsonl"
         )
     return {"monitor.backends": [value]}
 
 
 def _monitor_args(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
     kind = _dotted(data, "monitor.monitor_type", "tensorboard")
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a mapping, got {value!r}")
+    secrets = sorted({"api_key", "username", "password"} & set(value))
+    if secrets:
+        raise ValueError(
+            f"{', '.join(secrets)}: set them in the environment here (WANDB_API_KEY, "
+            "MLFLOW_TRACKING_USERNAME/PASSWORD): a config file's values reach logs and the "
+            "tracked run's parameters"
+        )
     if kind == "mlflow":
         return _args(value, {"uri": "monitor.mlflow_tracking_uri"})
+    if kind == "wandb":
+        return _args(value, {"base_url": "monitor.wandb_base_url"})
     return _args(value, {})
 
 
@@ -666,13 +678,13 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
     _converted(
         "monitor.monitor_type",
         "monitor.backends",
-        "`tensorboard`, `mlflow` -> that one backend",
+        "`tensorboard`, `mlflow`, `wandb` -> that one backend",
         _monitor_type,
     ),
     _converted(
         "monitor.monitor_args",
         "monitor.mlflow_tracking_uri",
-        "mlflow: `uri`",
+        "mlflow: `uri`; wandb: `base_url`; credentials only from the environment",
         _monitor_args,
     ),
     _refused(

@@ -21,6 +21,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "tensorboard": ("trinity_dagster.monitor.tensorboard_monitor", "TensorBoardMonitor"),
     "mlflow": ("trinity_dagster.monitor.mlflow_monitor", "MlflowMonitor"),
     "jsonl": ("trinity_dagster.monitor.jsonl_monitor", "JsonlMonitor"),
+    "wandb": ("trinity_dagster.monitor.wandb_monitor", "WandbMonitor"),
 }
 
 
