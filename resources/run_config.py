@@ -5,7 +5,13 @@ from functools import cached_property
 
 import dagster as dg
 
-from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, load_config
+from trinity_dagster.config import (
+    CONFIG_ENV_VAR,
+    ConfigError,
+    TrinityConfig,
+    load_config,
+    run_root_in_use,
+)
 from trinity_dagster.paths import RunPaths
 
 
@@ -26,8 +32,19 @@ class RunConfigResource(dg.ConfigurableResource):
 
     @cached_property
     def config(self) -> TrinityConfig:
-        """The validated configuration (errors name the file and key path)."""
-        return load_config(self.config_path)
+        """The validated configuration (errors name the file and key path).
+
+        `continue_from_checkpoint: false` on a run root in use is refused: each process of
+        the code location would pick its own fresh name; `trinity-dagster run` picks one.
+        """
+        config = load_config(self.config_path)
+        if not config.continue_from_checkpoint and run_root_in_use(config):
+            raise ConfigError(
+                f"continue_from_checkpoint: false and {config.run_root} holds a run already: "
+                "`trinity-dagster run -c FILE` starts the fresh run under a new name; under "
+                "`dagster dev`, give the config a new name and run_root instead"
+            )
+        return config
 
     @property
     def paths(self) -> RunPaths:

@@ -5,6 +5,7 @@ The GSM8K configs under tests/trinity_configs/ are Trinity-RFT's own examples, c
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trinity_dagster.config import ConfigError, load_config
+from resources.run_config import RunConfigResource
+from trinity_dagster.config import ConfigError, load_config, start_fresh
 from trinity_dagster.trinity_keys import TRINITY_KEYS, trinity_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +193,6 @@ def test_loss_arguments_act_on_the_algorithm(tmp_path: Path) -> None:
             "WANDB_API_KEY",
         ),
         ({"group": "g"}, "group", "checkpoint_root_dir"),
-        ({"continue_from_checkpoint": False}, "continue_from_checkpoint", "new `name`"),
         (
             {"model": {"model_path": "/m", "path": "/n"}},
             "model.model_path",
@@ -280,3 +281,29 @@ def test_docs_list_every_key_as_the_code_treats_it() -> None:
     )
     documented = [(path, kind, ours or None) for path, kind, ours in rows]
     assert documented == [(key.path, key.kind, key.ours) for key in TRINITY_KEYS]
+
+
+def test_continue_from_checkpoint_false_trains_fresh_under_a_new_name(tmp_path: Path) -> None:
+    run_root = tmp_path / "run"
+    file = write(tmp_path, {"name": "exp", "run_root": "run", "continue_from_checkpoint": False})
+    config = load_config(file)
+    assert start_fresh(config) is config  # nothing to continue: the run root as given
+    run_root.mkdir()
+    (run_root / "config.yaml").write_text("name: exp\n")  # an earlier run
+
+    fresh = start_fresh(config, now=dt.datetime(2026, 12, 4, 21, 0, 5))
+
+    assert (fresh.name, fresh.run_root) == ("exp_20261204210005", f"{run_root}_20261204210005")
+    assert fresh.continue_from_checkpoint  # a retry of the fresh run continues it
+    assert (run_root / "config.yaml").read_text() == "name: exp\n"  # the old run is left alone
+    # the code location cannot pick one fresh name for all its processes: it refuses
+    with pytest.raises(ConfigError, match="`trinity-dagster run -c FILE` starts the fresh run"):
+        _ = RunConfigResource(config_path=str(file)).config
+    # nor can a fresh run share the old run's tables
+    shared = config.model_copy(
+        update={
+            "buffer": config.buffer.model_copy(update={"tables_root": str(tmp_path / "tables")})
+        }
+    )
+    with pytest.raises(ConfigError, match=r"point buffer\.tables_root at a new directory"):
+        start_fresh(shared)

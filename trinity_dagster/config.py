@@ -8,6 +8,7 @@ impossible combinations raise `ConfigError`, whose message names the file and th
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import ipaddress
 import json
@@ -598,6 +599,12 @@ class TrinityConfig(_Section):
     project: str = "trinity-dagster"
     name: str = "demo"
     run_root: str = Field(default=DEFAULT_RUN_ROOT, description="Everything of a run lives here.")
+    continue_from_checkpoint: bool = Field(
+        default=True,
+        description="False: when run_root holds a run already, `trinity-dagster run` trains "
+        "fresh in run_root_<YYYYmmddHHMMSS> under the name name_<YYYYmmddHHMMSS>, as "
+        "Trinity-RFT does; true resumes the run there.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -816,6 +823,38 @@ def _resolve(path: str, base: Path) -> str:
     """`path` made absolute against `base` (the config file's directory)."""
     resolved = Path(path).expanduser()
     return str((resolved if resolved.is_absolute() else base / resolved).resolve())
+
+
+def run_root_in_use(config: TrinityConfig) -> bool:
+    """Whether the run root holds anything (a run that could be continued)."""
+    root = Path(config.run_root)
+    return root.is_dir() and any(root.iterdir())
+
+
+def start_fresh(config: TrinityConfig, now: dt.datetime | None = None) -> TrinityConfig:
+    """`continue_from_checkpoint: false` as Trinity-RFT acts on it: when the run root holds a
+    run already, a copy of `config` whose `name` and `run_root` end in `_<YYYYmmddHHMMSS>`
+    (and which continues from its own checkpoints from then on); otherwise `config`.
+
+    Raises `ConfigError` when the old run's Delta tables live outside its run root
+    (`buffer.tables_root`): the fresh run would read its experiences.
+    """
+    if config.continue_from_checkpoint or not run_root_in_use(config):
+        return config
+    if config.buffer.tables_root is not None:
+        raise ConfigError(
+            f"continue_from_checkpoint: false starts a fresh run, but buffer.tables_root "
+            f"({config.buffer.tables_root}) holds the tables of the run in {config.run_root}, "
+            "which the fresh run would read; point buffer.tables_root at a new directory"
+        )
+    stamp = (now or dt.datetime.now()).strftime("%Y%m%d%H%M%S")
+    return config.model_copy(
+        update={
+            "name": f"{config.name}_{stamp}",
+            "run_root": f"{config.run_root}_{stamp}",
+            "continue_from_checkpoint": True,
+        }
+    )
 
 
 def check_inputs(config: TrinityConfig) -> None:

@@ -321,11 +321,9 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
         _run_root,
     ),
     _converted("group", "run_root", "a directory level of `run_root` (see above)", _group),
-    _refused(
+    _same(
         "continue_from_checkpoint",
-        "false starts a fresh run under a new name in Trinity; not implemented yet: choose a "
-        "new `name` (or `run_root`) to start fresh. true (resume) is what happens here",
-        accepts=(True,),
+        "false: a run root in use is left alone; `run` trains fresh in `<run_root>_<stamp>`",
     ),
     _converted(
         "mode",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from trinity_dagster.buffer.end_of_data import clear_end_of_data
 from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
-from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs
+from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs, start_fresh
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.steps import step_key
@@ -360,8 +360,16 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
     """
     check_inputs(config)
     workspace_file = find_workspace(workspace)
+    fresh = start_fresh(config)
+    if fresh is not config:
+        print(
+            f"trinity-dagster: {config.run_root} holds a run already and "
+            f"continue_from_checkpoint is false: training fresh as {fresh.name} in "
+            f"{fresh.run_root}",
+            flush=True,
+        )
     with stop_signals_raise():
-        return _train(config, workspace_file)
+        return _train(fresh, workspace_file)
 
 
 def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
