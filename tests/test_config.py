@@ -266,7 +266,9 @@ def test_demo_example_spells_out_the_embedded_defaults() -> None:
     assert example == defaults
 
 
-@pytest.mark.parametrize("name", ["grpo_jsonl.yaml", "grpo_math.yaml", "sft_only.yaml"])
+@pytest.mark.parametrize(
+    "name", ["grpo_jsonl.yaml", "grpo_math.yaml", "sft_only.yaml", "trinity_gsm8k_rloo.yaml"]
+)
 def test_examples_load(name: str) -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / name)
     assert Path(cfg.run_root).is_absolute()

@@ -112,6 +112,10 @@ def test_an_environment_variable_names_the_checkpoint_root(
     data["group"] = "g1"
     config = load_config(write(tmp_path, data))
     assert config.run_root == str(tmp_path / "ckpt" / data["project"] / "g1" / data["name"])
+    # without a project or a name, Trinity's defaults name the job directory and the run
+    bare = load_config(write(tmp_path, {"checkpoint_root_dir": str(tmp_path)}, "bare.yaml"))
+    assert bare.run_root == str(tmp_path / "Trinity-RFT" / "rft")
+    assert (bare.project, bare.name) == ("Trinity-RFT", "rft")
 
 
 @pytest.mark.parametrize(

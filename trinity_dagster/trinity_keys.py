@@ -66,11 +66,17 @@ def _dotted(data: Mapping[str, Any], path: str, default: Any = None) -> Any:
     return node
 
 
+_TRINITY_NAMES = {"project": "Trinity-RFT", "name": "rft"}  # Trinity's defaults
+
+
 def _run_root(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
     """Trinity's job directory: `<checkpoint_root_dir>/<project>/<group>/<name>`, a relative
-    root taken from the working directory as Trinity does."""
-    parts = [str(value), str(data.get("project", "Trinity-RFT")), str(data.get("group", ""))]
-    return {"run_root": os.path.abspath(os.path.join(*parts, str(data.get("name", "rft"))))}
+    root taken from the working directory as Trinity does; a missing project or name takes
+    Trinity's default."""
+    names = {key: str(data.get(key, default)) for key, default in _TRINITY_NAMES.items()}
+    parts = [str(value), names["project"], str(data.get("group", "")), names["name"]]
+    missing = {key: names[key] for key in _TRINITY_NAMES if key not in data}
+    return {"run_root": os.path.abspath(os.path.join(*parts)), **missing}
 
 
 def _group(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
@@ -748,7 +754,10 @@ def _derive_train_batch_size(out: dict[str, Any], data: Mapping[str, Any]) -> No
     given = _dotted(data, "buffer.train_batch_size")
     if tasks is None or given not in (None, 0):
         return
-    repeat = _dotted(out, "algorithm.repeat_times", 8)
+    from trinity_dagster.config import AlgorithmConfig  # config.py imports this module
+
+    default = AlgorithmConfig.model_fields["repeat_times"].default
+    repeat = _dotted(out, "algorithm.repeat_times", default)
     _set(out, "buffer.train_batch_size", int(tasks) * int(repeat))
 
 
