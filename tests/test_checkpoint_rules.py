@@ -8,7 +8,13 @@ import sys
 
 import pytest
 
-from trinity_dagster.checkpoint.rules import explorer_weights_version, need_sync
+from trinity_dagster.checkpoint.rules import (
+    explorer_waits_for_weights,
+    explorer_weights_version,
+    is_explorer_sync_point,
+    need_sync,
+)
+from trinity_dagster.config import SynchronizerConfig
 
 
 @pytest.mark.parametrize(
@@ -23,6 +29,10 @@ from trinity_dagster.checkpoint.rules import explorer_weights_version, need_sync
         (5, 3, 3, "explorer_driven", True, True),
         (5, 3, 3, "explorer_driven", False, False),
         (3, 3, 3, "explorer_driven", True, False),
+        (4, 2, 0, "trainer_driven", False, True),  # the trainer publishes as under fixed
+        (3, 2, 0, "trainer_driven", True, False),
+        (4, 2, 0, "fully_async", False, True),
+        (4, 2, 4, "fully_async", False, False),
     ],
 )
 def test_need_sync(step, interval, last_sync, style, requested, expected) -> None:
@@ -88,6 +98,36 @@ def test_explorer_weights_version_matches_the_explorer_loop(interval, offset) ->
         assert version >= explore_step - offset - interval
         if explore_step > offset and (explore_step - offset) % interval == 0:
             syncs += 1
+
+
+@pytest.mark.parametrize(
+    ("style", "method", "waits"),
+    [
+        ("fixed", "checkpoint", True),
+        ("fixed", "nccl", True),
+        ("trainer_driven", "checkpoint", True),  # Trinity's explorer pulls the next version
+        ("trainer_driven", "memory", True),
+        ("trainer_driven", "nccl", False),  # it takes a version only if one is ready
+        ("fully_async", "nccl", False),
+        ("fully_async", "checkpoint", False),
+        ("explorer_driven", "checkpoint", False),  # it asks after its steps instead
+    ],
+)
+def test_which_explorers_wait_for_weights(style: str, method: str, waits: bool) -> None:
+    sync = SynchronizerConfig(sync_style=style, sync_method=method)
+    assert explorer_waits_for_weights(sync) is waits
+
+
+@pytest.mark.parametrize("interval", [1, 2, 3])
+@pytest.mark.parametrize("offset", [0, 1, 4])
+def test_the_explorers_sync_points_are_where_its_weights_version_moves(interval, offset) -> None:
+    sync = SynchronizerConfig(sync_interval=interval, sync_offset=offset)
+    for step in range(2, 30):
+        moved = explorer_weights_version(
+            step, sync_interval=interval, sync_offset=offset
+        ) != explorer_weights_version(step - 1, sync_interval=interval, sync_offset=offset)
+        assert is_explorer_sync_point(step, sync) is moved, step
+    assert not is_explorer_sync_point(1, sync)
 
 
 def test_checkpoint_package_imports_without_torch() -> None:

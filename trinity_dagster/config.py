@@ -335,11 +335,16 @@ class TrainerConfig(_Section):
         return None if isinstance(value, int) and value <= 0 else value
 
 
+# Trinity-RFT's sync styles (docs/checkpoints.md): when the trainer publishes and when
+# explorers take new weights.
+SyncStyle = Literal["fixed", "explorer_driven", "trainer_driven", "fully_async"]
+
+
 class SynchronizerConfig(_Section):
     """How and when trained weights reach the explorers."""
 
     sync_method: Literal["checkpoint", "memory", "nccl"] = "checkpoint"
-    sync_style: Literal["fixed", "explorer_driven"] = "fixed"
+    sync_style: SyncStyle = "fixed"
     sync_interval: int = Field(default=1, ge=1)
     sync_offset: int = Field(default=0, ge=0, description="Explore steps explorers run ahead.")
     sync_timeout: float = Field(
@@ -366,24 +371,22 @@ class SynchronizerConfig(_Section):
     @field_validator("sync_style", mode="before")
     @classmethod
     def _style_by_trinitys_names(cls, value: object) -> object:
-        """Trinity's styles and aliases, in any case; those without an equal here refused."""
+        """Trinity's styles and their aliases, in any case."""
         if not isinstance(value, str):
             return value
-        value = value.lower()
-        value = {"dynamic_by_explorer": "explorer_driven"}.get(value, value)
-        if value in ("trainer_driven", "dynamic_by_trainer"):
-            raise ValueError(
-                f"{value!r} (the trainer pushes weights every trainer_sync_interval and "
-                "explorers take them at their next sync point) is not implemented; 'fixed' "
-                "publishes on the same schedule and explorers wait for it"
+        aliases = {"dynamic_by_explorer": "explorer_driven", "dynamic_by_trainer": "trainer_driven"}
+        return aliases.get(value.lower(), value.lower())
+
+    @model_validator(mode="after")
+    def _offset_bounds_waiting_explorers(self) -> SynchronizerConfig:
+        if self.sync_style == "fully_async" and self.sync_offset:
+            raise _at(
+                "synchronizer.sync_offset",
+                f"{self.sync_offset}: sync_offset bounds how far explorers run ahead of the "
+                "weights they wait for; under sync_style fully_async they never wait, so it "
+                "has nothing to bound: remove it",
             )
-        if value == "fully_async":
-            raise ValueError(
-                "'fully_async' (explorers never wait for weights and pick up new versions in "
-                "the background) is not implemented; 'fixed' with sync_offset >= 1 lets "
-                "explorers run that many steps ahead of the trainer"
-            )
-        return value
+        return self
 
 
 class MegatronConfig(_Section):

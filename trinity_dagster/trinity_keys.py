@@ -656,7 +656,11 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
     ),
     # synchronizer
     _same("synchronizer.sync_method", "any case; `online` = nccl, `offline` = checkpoint"),
-    _same("synchronizer.sync_style", "`dynamic_by_explorer` = explorer_driven"),
+    _same(
+        "synchronizer.sync_style",
+        "fixed, explorer_driven, trainer_driven, fully_async, in any case; "
+        "`dynamic_by_explorer` / `dynamic_by_trainer` = the driven ones",
+    ),
     _same("synchronizer.sync_interval"),
     _same("synchronizer.sync_offset"),
     _same("synchronizer.sync_timeout"),

@@ -8,11 +8,8 @@ built-in explorer asks `explorer_weights_version` which version an explore step 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
-from trinity_dagster.config import TrinityConfig
-
-SyncStyle = Literal["fixed", "explorer_driven"]
+from trinity_dagster.config import SynchronizerConfig, SyncStyle, TrinityConfig
 
 
 def _check_step(step: int, name: str = "step") -> None:
@@ -30,7 +27,8 @@ def need_sync(
 ) -> bool:
     """Whether weights of train step `step` must be synced to explorers.
 
-    `fixed`: `step != last_sync_step and step % sync_interval == 0`.
+    `fixed`, `trainer_driven`, `fully_async`: `step != last_sync_step and step %
+    sync_interval == 0` (they differ on the explorers' side: `explorer_waits_for_weights`).
     `explorer_driven`: `step != last_sync_step` and an explorer has asked for new weights.
     """
     _check_step(step)
@@ -39,11 +37,29 @@ def need_sync(
         raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
     if step == last_sync_step:
         return False
-    if style == "fixed":
+    if style in ("fixed", "trainer_driven", "fully_async"):
         return step % sync_interval == 0
     if style == "explorer_driven":
         return explorer_requested
-    raise ValueError(f"unknown sync style {style!r}: expected 'fixed' or 'explorer_driven'")
+    raise ValueError(f"unknown sync style {style!r}")
+
+
+def explorer_waits_for_weights(sync: SynchronizerConfig) -> bool:
+    """Whether an explore step waits for the weights version its step needs
+    (`explorer_weights_version`), as Trinity-RFT's explorers do under `fixed`, and under
+    `trainer_driven` with weights published as files or in shared memory (they pull the
+    trainer's next version at their sync points). Under `trainer_driven` with `nccl` they take
+    a version only if the trainer has one ready, and under `fully_async` they never wait."""
+    if sync.sync_style == "trainer_driven":
+        return sync.sync_method != "nccl"
+    return sync.sync_style == "fixed"
+
+
+def is_explorer_sync_point(explore_step: int, sync: SynchronizerConfig) -> bool:
+    """Whether explorers take new weights before explore step `explore_step` (1-based):
+    after every `sync_interval` explore steps past the first `sync_offset`."""
+    done = explore_step - 1 - sync.sync_offset
+    return done > 0 and done % sync.sync_interval == 0
 
 
 def explorer_weights_version(explore_step: int, *, sync_interval: int, sync_offset: int) -> int:

@@ -6,7 +6,11 @@ reports the step. The model stays loaded between steps. Weights:
 - `sync_style: fixed`: E runs with at least version `explorer_weights_version(E)`
   (`sync_interval`, `sync_offset`);
 - `sync_style: explorer_driven`: after every `sync_interval` explore steps it asks the
-  trainer for newer weights (`trainer.sync_requests`) and goes on once answered.
+  trainer for newer weights (`trainer.sync_requests`) and goes on once answered;
+- `sync_style: trainer_driven`: as `fixed` with weights as files or in shared memory; with
+  `nccl`, at its sync points it takes the newest version the trainer has ready, if any,
+  without waiting;
+- `sync_style: fully_async`: it never waits, and each step takes the newest version.
 It waits at most `synchronizer.sync_timeout` seconds for weights (without a limit while the
 user paused training), and stops when the trainer stopped: normally if the trainer
 finished, with `TrainerStoppedError` if it failed. When the
@@ -27,7 +31,12 @@ from typing import Any
 
 from trinity_dagster.buffer.end_of_data import mark_end_of_data
 from trinity_dagster.buffer.writer import ExperienceWriter
-from trinity_dagster.checkpoint.rules import explore_steps_needed, explorer_weights_version
+from trinity_dagster.checkpoint.rules import (
+    explore_steps_needed,
+    explorer_waits_for_weights,
+    explorer_weights_version,
+    is_explorer_sync_point,
+)
 from trinity_dagster.checkpoint.shm_weights import newest_weights_version
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.demonstrations import demonstration_rows
@@ -83,6 +92,7 @@ class ExplorerLoop:
             config, known_versions=lambda: set(range(self._writing_version + 1))
         )
         self._started_at = time.time()
+        self._held: int | None = None  # the weights version of the last explored step
         self._heartbeat = Heartbeat(self.paths, explorer_id)
 
     def run(self, first: int, last: int | None, done: Collection[int] = ()) -> str:
@@ -128,7 +138,7 @@ class ExplorerLoop:
                 return explored
             version, rows = explored
         marks.append(time.perf_counter())
-        self._writing_version = version
+        self._writing_version = self._held = version
         report = self._writer.write(rows, explore_step=step)
         marks.append(time.perf_counter())
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
@@ -178,10 +188,19 @@ class ExplorerLoop:
         return sync.sync_style == "explorer_driven" and step % sync.sync_interval == 0
 
     def _wait_for_weights(self, step: int) -> int | str:
-        """The weights version step E runs with, or why the loop stops."""
+        """The weights version step E runs with, or why the loop stops.
+
+        Explorers that wait (`explorer_waits_for_weights`) take the newest version once the
+        one step E needs is there. Under `fully_async` a step never waits and takes the
+        newest version; under `trainer_driven` with `nccl` the explorer takes the newest
+        version at its sync points and keeps the one it holds in between.
+        """
         sync = self.config.synchronizer
+        keeps = sync.sync_style == "trainer_driven" and not explorer_waits_for_weights(sync)
+        if keeps and self._held is not None and not is_explorer_sync_point(step, sync):
+            return self._held
         needed = 0
-        if sync.sync_style == "fixed":
+        if explorer_waits_for_weights(sync):
             needed = explorer_weights_version(
                 step, sync_interval=sync.sync_interval, sync_offset=sync.sync_offset
             )
