@@ -646,8 +646,10 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
     ),
     _refused(
         "trainer.trainer_config",
-        "passes verl's own configuration through; the engine "
-        "here is configured by trainer.*, megatron.* and algorithm.*",
+        "passes verl's own configuration through; the engine here is configured by "
+        "trainer.*, megatron.* and algorithm.*. Its resume_mode / resume_from_path: a run "
+        "here resumes from its own newest checkpoint, and model.model_path can start a run "
+        "from another's checkpoints/global_step_N/huggingface",
     ),
     _refused(
         "trainer.trainer_config_path",
