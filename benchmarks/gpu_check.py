@@ -218,7 +218,15 @@ def engine_config(run_root: Path, plan: Plan, *, dtype: str, grad_clip: float, t
                 "max_response_tokens": plan.seq - plan.seq // 2,
                 "max_position_embeddings": plan.shape.max_positions,
             },
-            "algorithm": {"algorithm_type": "grpo", "repeat_times": plan.group},
+            # the demo's GRPO loss: no reference model (the MFU formula counts the actor
+            # alone) and no dual-clip, so random old log-probs still leave gradients
+            "algorithm": {
+                "algorithm_type": "grpo",
+                "repeat_times": plan.group,
+                "clip_range_high": 0.28,
+                "dual_clip": None,
+                "kl_loss_fn": "none",
+            },
             "buffer": {"train_batch_size": plan.batch},
             "trainer": {
                 "micro_batch_size": plan.micro_batch,
