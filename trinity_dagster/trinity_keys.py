@@ -647,7 +647,8 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
     _refused(
         "trainer.trainer_config",
         "passes verl's own configuration through; the engine here is configured by "
-        "trainer.*, megatron.* and algorithm.*. Its resume_mode / resume_from_path: a run "
+        "trainer.*, megatron.* and algorithm.*. Its resume_mode / resume_from_path do not "
+        "act in Trinity either (it sets resume_mode from continue_from_checkpoint): a run "
         "here resumes from its own newest checkpoint, and model.model_path can start a run "
         "from another's checkpoints/global_step_N/huggingface",
     ),
