@@ -20,7 +20,7 @@ from typing import Any
 import dagster as dg
 
 from assets.names import ROLLOUTS, TRAIN
-from assets.partitions import step_of, step_partitions
+from assets.partitions import STEP_PARTITIONS, step_of
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.paths import RunPaths
@@ -33,8 +33,11 @@ from trinity_dagster.trainer.run_state import (
     write_trainer_state,
 )
 
+# what an asset's or op's body gets: both know their run
+RunContext = dg.AssetExecutionContext | dg.OpExecutionContext
 
-def request_id(context: dg.OpExecutionContext, action: Action, step: int | None) -> str:
+
+def request_id(context: RunContext, action: Action, step: int | None) -> str:
     """The id of this run's request (the run id first, so the sensor can find the run)."""
     return f"{context.run_id}.{action}.{step if step is not None else 'now'}"
 
@@ -51,7 +54,7 @@ def loop_alive(run_config: RunConfigResource) -> bool:
 
 
 def ask_trainer(
-    context: dg.OpExecutionContext,
+    context: RunContext,
     run_config: RunConfigResource,
     action: Action,
     *,
@@ -156,10 +159,10 @@ def drop_untouched_partitions(instance: dg.DagsterInstance, after: int) -> list[
     used = instance.get_materialized_partitions(dg.AssetKey(TRAIN)) | (
         instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
     )
-    keys = instance.get_dynamic_partitions(step_partitions.name)
+    keys = instance.get_dynamic_partitions(STEP_PARTITIONS)
     dropped = [key for key in keys if step_of(key) > after and key not in used]
     for key in dropped:
-        instance.delete_dynamic_partition(step_partitions.name, key)
+        instance.delete_dynamic_partition(STEP_PARTITIONS, key)
     return dropped
 
 

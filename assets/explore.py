@@ -18,7 +18,13 @@ import dagster as dg
 
 from assets.jobs import evaluation_job
 from assets.names import EVALUATION, ROLLOUTS
-from assets.partitions import step_key, step_of, step_partitions, weights_partitions
+from assets.partitions import (
+    WEIGHTS_PARTITIONS,
+    step_key,
+    step_of,
+    step_partitions,
+    weights_partitions,
+)
 from assets.steps import StepPartitions, run_last_step, run_steps, step_materialization
 from resources.run_config import RunConfigResource, load_run_config
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
@@ -103,5 +109,5 @@ def evaluate_newest_checkpoint(
     if step is None:
         return dg.SkipReason("no complete checkpoint yet")
     key = step_key(step)
-    context.instance.add_dynamic_partitions(weights_partitions.name, [key])
+    context.instance.add_dynamic_partitions(WEIGHTS_PARTITIONS, [key])
     return dg.RunRequest(run_key=f"eval-{key}", partition_key=key)

@@ -6,7 +6,16 @@ import dagster as dg
 
 from trinity_dagster.steps import step_key, step_of
 
-__all__ = ["step_key", "step_of", "step_partitions", "weights_partitions"]
+__all__ = [
+    "STEP_PARTITIONS",
+    "WEIGHTS_PARTITIONS",
+    "step_key",
+    "step_of",
+    "step_partitions",
+    "weights_partitions",
+]
 
-step_partitions = dg.DynamicPartitionsDefinition(name="step")
-weights_partitions = dg.DynamicPartitionsDefinition(name="weights_version")
+STEP_PARTITIONS = "step"
+WEIGHTS_PARTITIONS = "weights_version"
+step_partitions = dg.DynamicPartitionsDefinition(name=STEP_PARTITIONS)
+weights_partitions = dg.DynamicPartitionsDefinition(name=WEIGHTS_PARTITIONS)

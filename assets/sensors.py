@@ -26,7 +26,7 @@ why it waits. Run keys (job, range, attempt) make every request unique.
 import contextlib
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import dagster as dg
 import psutil
@@ -36,7 +36,13 @@ from assets.explore import weights_partitions
 from assets.jobs import evaluation_job, rollouts_job, train_job
 from assets.lineage import TRAINED_EXACTLY_ONCE, checkpoint_upstream, lineage_check_job
 from assets.names import CHECKPOINT, EVALUATION, HF_MODEL, ROLLOUTS, SYNCED, TRAIN
-from assets.partitions import step_key, step_of, step_partitions
+from assets.partitions import (
+    STEP_PARTITIONS,
+    WEIGHTS_PARTITIONS,
+    step_key,
+    step_of,
+    step_partitions,
+)
 from assets.steps import UNTIL_DATA_ENDS_TAG
 from assets.weights import checkpoint_metadata, hf_metadata
 from resources.run_config import RunConfigResource, load_run_config
@@ -283,7 +289,7 @@ def checkpoint_records(
         asset: instance.get_materialized_partitions(dg.AssetKey(asset))
         for asset in (CHECKPOINT, HF_MODEL, SYNCED)
     }
-    known = set(instance.get_dynamic_partitions(step_partitions.name))
+    known = set(instance.get_dynamic_partitions(STEP_PARTITIONS))
     published = latest_weights_version(paths) or 0
     asked = asked_by_live_runs(instance, run_config)
     events: list[dg.AssetMaterialization] = []
@@ -319,7 +325,7 @@ def asked_by_live_runs(instance: dg.DagsterInstance, run_config: RunConfigResour
 def checkpoint_events(
     step: int,
     manifest,
-    recorded: dict[str, Sequence[str] | set[str]],
+    recorded: Mapping[str, Sequence[str] | set[str]],
     published: int,
     run_config: RunConfigResource,
 ) -> list[dg.AssetMaterialization]:
@@ -365,7 +371,7 @@ def weights_versions(
     """`weights_version` partitions for the versions on disk, so that the UI offers each
     published or kept version for `evaluation` without a partition added by hand."""
     versions = weights_versions_on_disk(run_config.paths)
-    known = set(instance.get_dynamic_partitions(weights_partitions.name))
+    known = set(instance.get_dynamic_partitions(WEIGHTS_PARTITIONS))
     new = [step_key(v) for v in versions if step_key(v) not in known]
     if not new:
         return dg.SkipReason("every weights version on disk has its partition")
@@ -446,7 +452,7 @@ def rft_loop_sensor(
     if run_config.config.dagster.builtin_explorer:
         parts.insert(1, explorer_request)
     run_requests: list[dg.RunRequest] = []
-    events: list[dg.AssetMaterialization] = []
+    events: list[dg.AssetMaterialization | dg.AssetObservation | dg.AssetCheckEvaluation] = []
     keys: dict[str, dict[str, None]] = {}  # partitions to add, by definition, each once
     skipped: list[str] = []
     for part in parts:

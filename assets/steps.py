@@ -16,7 +16,7 @@ from typing import Any
 
 import dagster as dg
 
-from assets.partitions import step_key, step_of, step_partitions
+from assets.partitions import STEP_PARTITIONS, step_key, step_of
 
 UNTIL_DATA_ENDS_TAG = "trinity/until_data_ends"
 
@@ -38,13 +38,13 @@ class StepPartitions:
 
     def __init__(self, instance: dg.DagsterInstance) -> None:
         self.instance = instance
-        self.known = set(instance.get_dynamic_partitions(step_partitions.name))
+        self.known = set(instance.get_dynamic_partitions(STEP_PARTITIONS))
 
     def ensure(self, step: int) -> None:
         """Make sure step N's partition exists."""
         key = step_key(step)
         if key not in self.known:
-            self.instance.add_dynamic_partitions(step_partitions.name, [key])
+            self.instance.add_dynamic_partitions(STEP_PARTITIONS, [key])
             self.known.add(key)
 
 

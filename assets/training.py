@@ -192,10 +192,11 @@ class DagsterTrainerHook(TrainerHook):
 def sync_metadata(info: dict[str, Any]) -> dict[str, Any]:
     """Version, size and where published weights are: their path, or for weights held for
     collective transfers (sync_method `nccl`) the address explorers receive them from."""
-    if "path" in info:
-        where = {"path": dg.MetadataValue.path(info["path"])}
-    else:
-        where = {"sent_from": f"{info['backend']} group at {info['address']}:{info['port']}"}
+    where: dict[str, Any] = (
+        {"path": dg.MetadataValue.path(info["path"])}
+        if "path" in info
+        else {"sent_from": f"{info['backend']} group at {info['address']}:{info['port']}"}
+    )
     return {"version": info["version"], **where, "size_bytes": info["size_bytes"]}
 
 

@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
-"$VENV/bin/mypy"  # type check of trinity_dagster/ (config in pyproject.toml)
+"$VENV/bin/mypy"  # type check of trinity_dagster/, assets/ and resources/ (pyproject.toml)
 bash scripts/ensure_chromium.sh  # headless Chromium for tests/test_e2e_dagster_dev.py
 exec "$VENV/bin/pytest" "$@"
