@@ -32,7 +32,7 @@ from pydantic import (
 from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
 from trinity_dagster.explorer.tasks import TASKSETS
 from trinity_dagster.paths import delta_unaddressable, local_path, uri_scheme
-from trinity_dagster.trinity_keys import TrinityKeyError, translate
+from trinity_dagster.trinity_keys import TrinityKeyError, set_dotted, translate
 
 DEFAULT_RUN_ROOT = "runs/demo"
 CONFIG_ENV_VAR = "TRINITY_DAGSTER_CONFIG"  # the YAML file the code location loads
@@ -926,7 +926,7 @@ def load_config(
         data = _resolve_interpolations(loaded, file)
         base_dir = file.resolve().parent
     for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted, value)
+        set_dotted(data, dotted, value)
     return config_from_dict(data, source, base_dir)
 
 
@@ -976,11 +976,3 @@ def _refuse_duplicate_keys(node: yaml.Node, path: str, seen: set[int]) -> None:
                     )
                 first_line[identity] = line
             _refuse_duplicate_keys(value, key_path, seen)
-
-
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    node = data
-    *parents, leaf = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value

@@ -718,8 +718,6 @@ def translate(data: dict[str, Any]) -> dict[str, Any]:
     for path, value in list(_trinity_entries(data)):
         key = _BY_PATH[path]
         _remove(out, path)
-        if key.kind == "same":
-            continue
         if key.kind == "refused":
             if not any(type(value) is type(a) and value == a for a in key.accepts):
                 refused.append(f"{path}: {key.note}")
@@ -739,7 +737,7 @@ def translate(data: dict[str, Any]) -> dict[str, Any]:
     if refused:
         raise TrinityKeyError(refused)
     for ours, (_, value) in moved.items():
-        _set(out, ours, value)
+        set_dotted(out, ours, value)
     _derive_train_batch_size(out, data)
     return out
 
@@ -765,7 +763,7 @@ def _derive_train_batch_size(out: dict[str, Any], data: Mapping[str, Any]) -> No
 
     default = AlgorithmConfig.model_fields["repeat_times"].default
     repeat = _dotted(out, "algorithm.repeat_times", default)
-    _set(out, "buffer.train_batch_size", int(tasks) * int(repeat))
+    set_dotted(out, "buffer.train_batch_size", int(tasks) * int(repeat))
 
 
 _MISSING = object()
@@ -783,7 +781,8 @@ def _remove(data: dict[str, Any], path: str) -> None:
         del node[part]  # a section left empty by moving its keys out
 
 
-def _set(data: dict[str, Any], path: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set `data[a][b][c] = value` for the path `a.b.c`, making the sections it lacks."""
     *parents, leaf = path.split(".")
     node = data
     for part in parents:
@@ -802,5 +801,5 @@ def trinity_names(resolved: dict[str, Any]) -> dict[str, Any]:
         if value is _MISSING:
             continue
         _remove(out, key.ours)
-        _set(out, key.path, value)
+        set_dotted(out, key.path, value)
     return out
