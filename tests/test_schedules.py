@@ -4,6 +4,7 @@ the run's resources, and the effect of that run checked on disk."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,10 @@ from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from tests.checkpoint_support import TinyProvider, damage_checksum_only
 from tests.run_helpers import fill_buffer, pin_steps, tiny_config
+from trinity_dagster.buffer.maintenance import clean_logs
 from trinity_dagster.buffer.reader import load_step_batch
+from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
+from trinity_dagster.buffer.tables import TABLE_CONFIGURATION
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
@@ -140,6 +144,46 @@ def test_delta_maintenance_compacts_and_vacuums_with_the_runs_retention(located)
     assert _parquet_files(paths.batches) == {Path(uri).name for uri in batches.file_uris()}
     for step, batch in before_batches.items():
         assert load_step_batch(config, step).equals(batch)
+
+
+def test_delta_maintenance_deletes_old_commit_files_once_the_ledger_has_read_them(
+    located,
+) -> None:
+    location = located({})
+    config, paths = location.config, location.paths
+    steps = 12
+    for seed in range(steps):
+        fill_buffer(config, steps=1, seed=seed)
+    pin_steps(config, range(1, steps + 1))
+    before = {step: load_step_batch(config, step) for step in range(1, steps + 1)}
+    an_hour_ago = datetime.now(UTC).timestamp() - 3600  # past the 10 minutes' log retention
+    logs = [Path(table, "_delta_log") for table in (paths.experiences, paths.batches)]
+    for log in logs:
+        assert len(list(log.glob("*.json"))) == steps + 1  # the create, then one per commit
+        for file in log.iterdir():
+            os.utime(file, (an_hour_ago, an_hour_ago))
+
+    location.tick_and_run("delta_maintenance")
+
+    for log in logs:  # the commits before the newest checkpoint (one every 10) are gone
+        names = sorted(p.name for p in log.glob("*.json"))
+        assert len(names) <= 10 and f"{0:020d}.json" not in names, names
+    ledger = DeltaTable(str(paths.ledger_steps)).to_pyarrow_table()
+    assert sorted(set(ledger.column("step").to_pylist())) == list(range(1, steps + 1))
+    assert ledger.column("batch_version").null_count == 0  # read before the clean-up
+    for step, batch in before.items():
+        assert load_step_batch(config, step).equals(batch)
+    fill_buffer(config, steps=1, seed=steps)  # the tables go on from the checkpoint
+    pin_steps(config, range(steps + 1, steps + 2))
+
+
+def test_maintenance_gives_an_older_table_the_log_retention(tmp_path: Path) -> None:
+    config, _ = tiny_config(tmp_path)
+    paths = RunPaths.of_config(config)
+    DeltaTable.create(str(paths.experiences), EXPERIENCE_SCHEMA)  # made before the setting
+    clean_logs(config)
+    configuration = DeltaTable(str(paths.experiences)).metadata().configuration
+    assert {k: configuration.get(k) for k in TABLE_CONFIGURATION} == TABLE_CONFIGURATION
 
 
 def test_vacuum_retention_must_be_whole_hours() -> None:

@@ -535,6 +535,35 @@ class DagsterConfig(_Section):
         ),
     )
     eval_cron: str = "*/30 * * * *"
+    postgres_url: str | None = Field(
+        default=None,
+        description="`trinity-dagster run`/`demo` keep the Dagster instance (runs, events, "
+        "schedules) in this PostgreSQL database, a SQLAlchemy URL such as "
+        "postgresql://user@host:5432/db (password from PGPASSWORD or ~/.pgpass, or "
+        "${oc.env:...}); one database per run root. None: SQLite under "
+        "run_root/dagster_home.",
+    )
+    steps_per_run: int = Field(
+        default=1000,
+        ge=1,
+        description="Steps one trainer (and built-in explorer) run covers: the sensor adds "
+        "their partitions when it launches the run and starts the next run when one ends, "
+        "so a launch costs the same at step 50,000 as at step 1.",
+    )
+    maintenance_every_steps: int | None = Field(
+        default=500,
+        ge=1,
+        description="While training, the sensor launches delta_maintenance_job every this "
+        "many steps (ledger update, compaction, log clean-up), so Delta opens and commits "
+        "stay as fast at step 50,000 as at step 1. None: only on the maintenance schedule.",
+    )
+
+    @field_validator("postgres_url")
+    @classmethod
+    def _a_postgres_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgresql://", "postgresql+")):
+            raise ValueError(f"{value!r} is not a postgresql:// URL")
+        return value
 
     @field_validator("sensor_interval_s")
     @classmethod

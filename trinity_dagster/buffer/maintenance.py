@@ -1,18 +1,21 @@
-"""Delta maintenance of the buffer and ledger tables: compaction and vacuum, safe for pinned
-steps.
+"""Delta maintenance of the buffer and ledger tables: compaction, vacuum and log clean-up,
+safe for pinned steps.
 
 Replay of a pinned step reads only the current version of `batches`, which neither
 compaction (a data-preserving rewrite) nor vacuum (removes only files no longer referenced)
-changes, so both are safe at any time.
+changes, so both are safe at any time. Log clean-up deletes the commit files of versions
+older than the table's log retention (`tables.TABLE_CONFIGURATION`) that a checkpoint
+covers: nothing here reads an old version, but the lineage ledger reads the commit metadata
+of `batches` and `experiences`, so clean the logs only right after `update_ledger`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trinity_dagster.buffer.tables import open_table, writer_properties
+from trinity_dagster.buffer.tables import TABLE_CONFIGURATION, open_table, writer_properties
 from trinity_dagster.config import TrinityConfig
-from trinity_dagster.paths import RunPaths
+from trinity_dagster.paths import RunPaths, local_path
 
 
 def _tables(config: TrinityConfig) -> dict[str, Any]:
@@ -65,3 +68,20 @@ def vacuum(
         )
         for name, table in _tables(config).items()
     }
+
+
+def clean_logs(config: TrinityConfig) -> dict[str, int]:
+    """Delete expired commit files of every buffer table; log files left per table.
+
+    A table made before its log retention was part of `TABLE_CONFIGURATION` gets it first (a
+    commit of table properties), so its log stops growing from then on.
+    """
+    left = {}
+    for name, table in _tables(config).items():
+        configuration = table.metadata().configuration
+        missing = {k: v for k, v in TABLE_CONFIGURATION.items() if configuration.get(k) != v}
+        if missing:
+            table.alter.set_table_properties(missing, raise_if_not_exists=False)
+        table.cleanup_metadata()
+        left[name] = sum(1 for _ in local_path(table.table_uri).joinpath("_delta_log").iterdir())
+    return left
