@@ -4,8 +4,8 @@
 call, an instance, tick records) once per interval, not once per job: with four sensors that
 cost took about an eighth of a core, beside a loop that keeps both cores busy. Its parts:
 - `trainer_request`: while training is neither finished nor paused (`pause_training`),
-  keeps one long-lived `train_job` run over steps next..total_steps (the trainer loop,
-  waiting for data itself);
+  keeps one long-lived `train_job` run going over the next `dagster.steps_per_run` steps
+  (the trainer loop, waiting for data itself), adding their partitions as it launches it;
 - `explorer_request` (`dagster.builtin_explorer`): likewise one `rollouts_job` run of the
   built-in explorer loop;
 - `checkpoint_records`: records `checkpoint[N]` and `hf_model[N]` once a background save's
@@ -16,7 +16,10 @@ cost took about an eighth of a core, beside a loop that keeps both cores busy. I
   version, so the UI offers it for `evaluation`;
 - `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
   warm-up's last (checkpointed) and the final weights;
-- `lineage_check_request`: once training finished, runs `trained_exactly_once`.
+- `lineage_check_request`: once training finished, runs `trained_exactly_once`;
+- `maintenance_request`: while training, a `delta_maintenance_job` run every
+  `dagster.maintenance_every_steps` steps (ledger update, compaction, log clean-up), so the
+  Delta tables cost the same per step at step 50,000 as at step 1.
 A run killed with its worker is retried by Dagster's run retries (see
 `trinity_dagster.dagster_instance`) or, if interrupted, started again by the sensor; a
 trainer run that failed on an error of the loop is not relaunched: the skip reason then says
@@ -35,6 +38,7 @@ from assets.control import run_of_request
 from assets.explore import weights_partitions
 from assets.jobs import evaluation_job, rollouts_job, train_job
 from assets.lineage import TRAINED_EXACTLY_ONCE, checkpoint_upstream, lineage_check_job
+from assets.maintenance import delta_maintenance_job
 from assets.names import CHECKPOINT, EVALUATION, HF_MODEL, ROLLOUTS, SYNCED, TRAIN
 from assets.partitions import (
     STEP_PARTITIONS,
@@ -73,6 +77,7 @@ RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 MAX_ATTEMPTS = 3
 FINISHED_TAG = "trinity/training_finished"  # step@time of the end a lineage check is for
+MAINTAINED_TAG = "trinity/maintenance_at_step"  # the train step a maintenance run was for
 WORKER_PID = re.compile(r"Started process for run \(pid: (\d+)\)")
 BUSY = (
     dg.DagsterRunStatus.QUEUED,
@@ -205,15 +210,13 @@ def launch_attempt(
     return len(failed)
 
 
-def ranged_request(
-    job_name: str, first: int, last: int | None, total: int | None, attempt: int
-) -> dg.SensorResult:
-    """One run of job `job_name` over steps first..last, with partitions 1..total added first.
+def ranged_request(job_name: str, first: int, last: int | None, attempt: int) -> dg.SensorResult:
+    """One run of job `job_name` over steps first..last, with their partitions added first.
 
     `last` None: an open-ended run (`trainer.total_steps` unset) from step `first` on, which
     adds the partitions of later steps as it records them.
     """
-    keys = [step_key(step) for step in range(1, (total or first) + 1)]
+    keys = [step_key(step) for step in range(first, (last or first) + 1)]
     tags = {RANGE_START: step_key(first), RANGE_END: step_key(last or first)}
     if last is None:
         tags[UNTIL_DATA_ENDS_TAG] = "true"
@@ -228,6 +231,14 @@ def ranged_request(
         ],
         dynamic_partitions_requests=[step_partitions.build_add_request(keys)],
     )
+
+
+def window_end(first: int, last: int | None, run_config: RunConfigResource) -> int | None:
+    """The last step of a run from `first`: `dagster.steps_per_run` steps, at most `last`
+    (None: open-ended, when `last` is None)."""
+    if last is None:
+        return None
+    return min(last, first + run_config.config.dagster.steps_per_run - 1)
 
 
 def trainer_request(
@@ -248,7 +259,7 @@ def trainer_request(
     attempt = launch_attempt(instance, train_job.name, first, loop_error)
     if isinstance(attempt, str):
         return dg.SkipReason(attempt)
-    return ranged_request(train_job.name, first, total, total, attempt)
+    return ranged_request(train_job.name, first, window_end(first, total, run_config), attempt)
 
 
 def explorer_request(
@@ -271,8 +282,7 @@ def explorer_request(
     attempt = launch_attempt(instance, rollouts_job.name, first, None)
     if isinstance(attempt, str):
         return dg.SkipReason(attempt)
-    total = None if needed is None else max(needed, run_config.config.trainer.total_steps or 0)
-    return ranged_request(rollouts_job.name, first, needed, total, attempt)
+    return ranged_request(rollouts_job.name, first, window_end(first, needed, run_config), attempt)
 
 
 def checkpoint_records(
@@ -423,9 +433,34 @@ def lineage_check_request(
     return dg.SensorResult(run_requests=[request])
 
 
+def maintenance_request(
+    instance: dg.DagsterInstance, run_config: RunConfigResource
+) -> dg.SensorResult | dg.SkipReason:
+    """A `delta_maintenance_job` run once `dagster.maintenance_every_steps` steps trained since
+    the last one the sensor launched, while training goes on."""
+    every = run_config.config.dagster.maintenance_every_steps
+    if every is None:
+        return dg.SkipReason("dagster.maintenance_every_steps is unset")
+    if training_finished(run_config) is not None:
+        return dg.SkipReason("training finished")
+    runs = instance.get_runs(filters=dg.RunsFilter(job_name=delta_maintenance_job.name), limit=20)
+    if runs and runs[0].status in BUSY:
+        return dg.SkipReason(f"{delta_maintenance_job.name} run {runs[0].run_id} is going")
+    last = next((int(r.tags[MAINTAINED_TAG]) for r in runs if MAINTAINED_TAG in r.tags), 0)
+    step = newest_step(instance, TRAIN)
+    if step - last < every:
+        return dg.SkipReason(f"next Delta maintenance after step {last + every}")
+    request = dg.RunRequest(
+        run_key=f"{delta_maintenance_job.name}-{step_key(step)}",
+        job_name=delta_maintenance_job.name,
+        tags={MAINTAINED_TAG: str(step)},
+    )
+    return dg.SensorResult(run_requests=[request])
+
+
 @dg.sensor(
     name="rft_loop_sensor",
-    jobs=[train_job, rollouts_job, evaluation_job, lineage_check_job],
+    jobs=[train_job, rollouts_job, evaluation_job, lineage_check_job, delta_maintenance_job],
     minimum_interval_seconds=_INTERVAL,
     default_status=_STATUS,
     description=(
@@ -448,6 +483,7 @@ def rft_loop_sensor(
         weights_versions,
         evaluation_requests,
         lineage_check_request,
+        maintenance_request,
     ]
     if run_config.config.dagster.builtin_explorer:
         parts.insert(1, explorer_request)
