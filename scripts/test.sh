@@ -8,5 +8,5 @@ VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/mypy"  # type check of trinity_dagster/, assets/ and resources/ (pyproject.toml)
-bash scripts/ensure_chromium.sh  # headless Chromium for tests/test_e2e_dagster_dev.py
+bash scripts/ensure_programs.sh  # headless Chromium and the PostgreSQL server
 exec "$VENV/bin/pytest" "$@"

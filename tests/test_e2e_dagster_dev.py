@@ -329,7 +329,7 @@ def step_key(step: int) -> str:
 def steering(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Steering]:
     """A `dagster dev` with the sensor on, over a training whose data the test writes."""
     if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: run scripts/ensure_chromium.sh (CI does)")
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/ensure_programs.sh (CI does)")
     tmp_path = tmp_path_factory.mktemp("steer")
     extra = {
         "dagster": {"sensors_running": True, "builtin_explorer": False},

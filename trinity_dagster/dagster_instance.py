@@ -9,25 +9,36 @@ into their own `DAGSTER_HOME` (the README shows how). Why each setting:
 - run retries restart a run whose worker crashed (not one whose step failed: an error in
   the loop fails the run and stays visible); the loops resume from what is on disk;
 - pools default to a limit of 1: every op that drives the engine is in the `engine` pool;
-- events go to `trinity_dagster.dagster_events.PooledSqliteEventLogStorage`, Dagster's
-  SQLite event storage keeping each database's connection open between events (a fifth of
-  the cost per event), in the same files as the default storage.
+- storage: with `dagster.postgres_url` set, Dagster's PostgreSQL storage (runs, events,
+  schedules) in that database; otherwise SQLite files in `DAGSTER_HOME`, events through
+  `trinity_dagster.dagster_events.PooledSqliteEventLogStorage`, Dagster's SQLite event storage
+  keeping each database's connection open between events (a fifth of the cost per event), in
+  the same files as the default storage.
 No dagster import here.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 WILL_RETRY_TAG = "dagster/will_retry"  # run retries' decision on a failed run: "true"/"false"
 
-INSTANCE_YAML = """\
+SQLITE_STORAGE = """\
 # Dagster instance of a trinity-dagster run (SQLite storage in this directory).
 event_log_storage:
   module: trinity_dagster.dagster_events
   class: PooledSqliteEventLogStorage
   config:
     base_dir: {dagster_home}/history/runs/
+"""
+POSTGRES_STORAGE = """\
+# Dagster instance of a trinity-dagster run (runs, events and schedules in PostgreSQL).
+storage:
+  postgres:
+    postgres_url: {postgres_url}
+"""
+INSTANCE_YAML = """\
 telemetry:
   enabled: false
 run_coordinator:
@@ -49,15 +60,30 @@ concurrency:
 """
 
 
-def instance_yaml(dagster_home: Path) -> str:
-    """The instance settings for the instance in `dagster_home`."""
-    return INSTANCE_YAML.format(dagster_home=dagster_home.resolve())
+def with_driver(postgres_url: str) -> str:
+    """`postgres_url` naming psycopg2, the driver dagster-postgres installs, if it names none
+    (SQLAlchemy 2.1 would otherwise pick psycopg 3)."""
+    scheme, sep, rest = postgres_url.partition("://")
+    return f"postgresql+psycopg2://{rest}" if scheme == "postgresql" and sep else postgres_url
 
 
-def write_instance_yaml(dagster_home: Path) -> Path:
-    """Write the instance settings into `dagster_home` (kept if the file already exists)."""
+def instance_yaml(dagster_home: Path, postgres_url: str | None = None) -> str:
+    """The instance settings for the instance in `dagster_home`, its storage in PostgreSQL
+    database `postgres_url` if given (else SQLite files in `dagster_home`)."""
+    if postgres_url is None:
+        storage = SQLITE_STORAGE.format(dagster_home=dagster_home.resolve())
+    else:
+        storage = POSTGRES_STORAGE.format(postgres_url=json.dumps(with_driver(postgres_url)))
+    return storage + INSTANCE_YAML
+
+
+def write_instance_yaml(
+    dagster_home: Path, postgres_url: str | None = None, *, replace: bool = False
+) -> Path:
+    """Write the instance settings into `dagster_home`; a `dagster.yaml` already there is kept
+    unless `replace`."""
     dagster_home.mkdir(parents=True, exist_ok=True)
     path = dagster_home / "dagster.yaml"
-    if not path.exists():
-        path.write_text(instance_yaml(dagster_home))
+    if replace or not path.exists():
+        path.write_text(instance_yaml(dagster_home, postgres_url))
     return path

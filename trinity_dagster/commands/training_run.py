@@ -108,7 +108,7 @@ def prepare_instance(config: TrinityConfig) -> Path:
     paths.root.mkdir(parents=True, exist_ok=True)
     config_file = paths.root / "config.yaml"
     config_file.write_text(config.to_yaml())
-    write_instance_yaml(paths.dagster_home)
+    write_instance_yaml(paths.dagster_home, config.dagster.postgres_url, replace=True)
     os.environ[CONFIG_ENV_VAR] = str(config_file)
     os.environ["DAGSTER_HOME"] = str(paths.dagster_home)
     return config_file
