@@ -9,11 +9,13 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
+from dagster_postgres.run_storage.run_storage import PostgresRunStorage
 
 from assets.sensors import RANGE_END, RANGE_START
 from tests.run_helpers import tiny_config
 from trinity_dagster.config import ConfigError
 from trinity_dagster.dagster_instance import instance_yaml
+from trinity_dagster.dagster_postgres_pool import PooledPostgresEventLogStorage
 from trinity_dagster.local_postgres import local_postgres
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.steps import step_key
@@ -23,10 +25,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_instance_settings_name_the_postgres_database(tmp_path: Path) -> None:
     settings = yaml.safe_load(instance_yaml(tmp_path, "postgresql://me@db:5432/rft"))
-    assert settings["storage"] == {
-        "postgres": {"postgres_url": "postgresql+psycopg2://me@db:5432/rft"}
-    }
-    assert "event_log_storage" not in settings  # Dagster's Postgres storage holds the events
+    for storage in ("run_storage", "event_log_storage", "schedule_storage"):
+        url = settings[storage]["config"]["postgres_url"]
+        assert url == "postgresql+psycopg2://me@db:5432/rft"  # the driver dagster-postgres brings
     assert settings["run_coordinator"]["config"]["dequeue_interval_seconds"] == 1
     sqlite = yaml.safe_load(instance_yaml(tmp_path))
     assert sqlite["event_log_storage"]["class"] == "PooledSqliteEventLogStorage"
@@ -60,7 +61,8 @@ def test_a_run_on_a_postgres_instance_trains_in_windows_and_maintains_its_tables
         paths = RunPaths.of_config(config)
         assert not (paths.dagster_home / "history").exists()  # no SQLite storage
         with dg.DagsterInstance.from_config(str(paths.dagster_home)) as instance:
-            assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+            assert isinstance(instance.run_storage, PostgresRunStorage)
+            assert isinstance(instance.event_log_storage, PooledPostgresEventLogStorage)
             trained = instance.get_materialized_partitions(dg.AssetKey("train_step"))
             assert trained == {step_key(s) for s in range(1, total + 1)}
             runs = instance.get_runs(

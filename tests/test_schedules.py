@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 
@@ -35,6 +36,7 @@ from trinity_dagster.checkpoint.layout import (
 from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
 from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.paths import RunPaths
 
 TESTED = {"delta_maintenance", "checkpoint_retention", "evaluate_newest_checkpoint"}
@@ -175,6 +177,10 @@ def test_delta_maintenance_deletes_old_commit_files_once_the_ledger_has_read_the
         assert load_step_batch(config, step).equals(batch)
     fill_buffer(config, steps=1, seed=steps)  # the tables go on from the checkpoint
     pin_steps(config, range(steps + 1, steps + 2))
+    update_ledger(paths)  # and the ledger from the commits left
+    ledger = DeltaTable(str(paths.ledger_steps)).to_pyarrow_table()
+    newest = ledger.filter(pc.equal(ledger.column("step"), steps + 1))
+    assert newest.num_rows > 0 and newest.column("batch_version").null_count == 0
 
 
 def test_maintenance_gives_an_older_table_the_log_retention(tmp_path: Path) -> None:

@@ -9,11 +9,12 @@ into their own `DAGSTER_HOME` (the README shows how). Why each setting:
 - run retries restart a run whose worker crashed (not one whose step failed: an error in
   the loop fails the run and stays visible); the loops resume from what is on disk;
 - pools default to a limit of 1: every op that drives the engine is in the `engine` pool;
-- storage: with `dagster.postgres_url` set, Dagster's PostgreSQL storage (runs, events,
-  schedules) in that database; otherwise SQLite files in `DAGSTER_HOME`, events through
-  `trinity_dagster.dagster_events.PooledSqliteEventLogStorage`, Dagster's SQLite event storage
-  keeping each database's connection open between events (a fifth of the cost per event), in
-  the same files as the default storage.
+- storage: with `dagster.postgres_url` set, Dagster's PostgreSQL storages (runs, events,
+  schedules) in that database, the run and event storages keeping a connection open
+  (`trinity_dagster.dagster_postgres_pool`); otherwise SQLite files in `DAGSTER_HOME`, events
+  through `trinity_dagster.dagster_events.PooledSqliteEventLogStorage`, Dagster's SQLite
+  event storage keeping each database's connection open between events (a fifth of the cost
+  per event), in the same files as the default storage.
 No dagster import here.
 """
 
@@ -34,8 +35,20 @@ event_log_storage:
 """
 POSTGRES_STORAGE = """\
 # Dagster instance of a trinity-dagster run (runs, events and schedules in PostgreSQL).
-storage:
-  postgres:
+run_storage:
+  module: trinity_dagster.dagster_postgres_pool
+  class: PooledPostgresRunStorage
+  config:
+    postgres_url: {postgres_url}
+event_log_storage:
+  module: trinity_dagster.dagster_postgres_pool
+  class: PooledPostgresEventLogStorage
+  config:
+    postgres_url: {postgres_url}
+schedule_storage:
+  module: dagster_postgres.schedule_storage
+  class: PostgresScheduleStorage
+  config:
     postgres_url: {postgres_url}
 """
 INSTANCE_YAML = """\
