@@ -130,7 +130,9 @@ query($asset: [String!]!, $keys: [String!]) {
 CHECK_EXECUTIONS = """
 query($check: String!) {
   assetCheckExecutions(assetKey: {path: ["train_step"]}, checkName: $check, limit: 100) {
-    runId status partition evaluation { success partition }
+    runId
+    status
+    evaluation { success metadataEntries { label ... on IntMetadataEntry { intValue } } }
   }
 }"""
 RUN_CHECK_EXECUTIONS = """
@@ -465,9 +467,11 @@ def test_steer_a_running_training_from_the_ui(steering: Steering) -> None:
     for check in ("loss_is_finite", "kl_within_bound"):
         executions = dev.graphql(CHECK_EXECUTIONS, {"check": check})["assetCheckExecutions"]
         passed = {
-            e["partition"]: e["runId"]
+            step_key(entry["intValue"]): e["runId"]
             for e in executions
             if e["evaluation"] and e["evaluation"]["success"]
+            for entry in e["evaluation"]["metadataEntries"]
+            if entry["label"] == "step"
         }
         assert {k: passed.get(k) for k in trained} == train_runs, (check, executions)
 
