@@ -158,7 +158,7 @@ def test_delta_maintenance_deletes_old_commit_files_once_the_ledger_has_read_the
         fill_buffer(config, steps=1, seed=seed)
     pin_steps(config, range(1, steps + 1))
     before = {step: load_step_batch(config, step) for step in range(1, steps + 1)}
-    an_hour_ago = datetime.now(UTC).timestamp() - 3600  # past the 10 minutes' log retention
+    an_hour_ago = datetime.now(UTC).timestamp() - 3600  # past the minute of log retention
     logs = [Path(table, "_delta_log") for table in (paths.experiences, paths.batches)]
     for log in logs:
         assert len(list(log.glob("*.json"))) == steps + 1  # the create, then one per commit

@@ -30,10 +30,12 @@ T = TypeVar("T")
 # Every open and commit also lists `_delta_log`, so they slow down as the log grows (a 256-row
 # append: 11 ms at 100 commits, 65 ms at 6,000). `maintenance.clean_logs` deletes commit
 # files older than the retention below once the lineage ledger has read them; Delta's own
-# clean-up at each checkpoint is off, as it would not wait for the ledger.
+# clean-up at each checkpoint is off, as it would not wait for the ledger. The retention only
+# has to outlast a maintenance run (the ledger update before the clean-up) and a reader's
+# listing of the log: a minute. Nothing here reads an old version of a table.
 TABLE_CONFIGURATION = {
     "delta.checkpointInterval": "10",
-    "delta.logRetentionDuration": "interval 10 minutes",
+    "delta.logRetentionDuration": "interval 1 minute",
     "delta.enableExpiredLogCleanup": "false",
 }
 
