@@ -29,7 +29,7 @@ why it waits. Run keys (job, range, attempt) make every request unique.
 import contextlib
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import dagster as dg
 import psutil
@@ -88,10 +88,47 @@ BUSY = (
 )
 
 
-def newest_step(instance: dg.DagsterInstance, asset: str) -> int:
-    """The highest materialised step partition of `asset` (0 if none)."""
-    keys = instance.get_materialized_partitions(dg.AssetKey(asset))
-    return max((step_of(key) for key in keys), default=0)
+class NewestSteps:
+    """The highest materialised step partition of an asset, read incrementally.
+
+    The first call in a process reads every materialised partition; later calls only those
+    materialised since (by storage id), so a sensor evaluation costs the same at step 50,000
+    as at step 1. The daemon evaluates the sensor in a long-lived code server, with a new
+    instance object each time: what was read is kept by the instance's directory.
+    """
+
+    def __init__(self) -> None:
+        # (instance directory, asset) -> (storage id read up to, newest step)
+        self._read: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def __call__(self, instance: dg.DagsterInstance, asset: str) -> int:
+        key, where = dg.AssetKey(asset), (instance.root_directory, asset)
+        latest = instance.fetch_materializations(key, limit=1, ascending=False).records
+        if not latest:
+            self._read.pop(where, None)
+            return 0
+        cursor, newest = self._read.get(where, (None, 0))
+        if newest and not recorded_partitions(instance, asset, {step_key(newest)}):
+            cursor, newest = None, 0  # its materialisations were wiped: read them all again
+        top = latest[0].storage_id
+        if cursor is None or top > cursor:
+            found = instance.get_materialized_partitions(key, after_cursor=cursor)
+            newest = max([newest, *(step_of(partition) for partition in found)])
+        self._read[where] = (top, newest)
+        return newest
+
+
+newest_step = NewestSteps()
+
+
+def recorded_partitions(instance: dg.DagsterInstance, asset: str, keys: set[str]) -> set[str]:
+    """Which of the partitions `keys` of `asset` are materialised (a query bounded by them)."""
+    if not keys:
+        return set()
+    latest = instance.event_log_storage.get_latest_storage_id_by_partition(
+        dg.AssetKey(asset), dg.DagsterEventType.ASSET_MATERIALIZATION, keys
+    )
+    return set(latest)
 
 
 def training_finished(run_config: RunConfigResource) -> TrainerState | None:
@@ -295,17 +332,18 @@ def checkpoint_records(
     it is looked at again on every tick.
     """
     paths = run_config.paths
+    entries = [entry for entry in scan_step_dirs(paths.checkpoints) if entry.kind == "final"]
+    keys = {step_key(entry.step) for entry in entries}
     recorded = {
-        asset: instance.get_materialized_partitions(dg.AssetKey(asset))
+        asset: recorded_partitions(instance, asset, keys)
         for asset in (CHECKPOINT, HF_MODEL, SYNCED)
     }
-    known = set(instance.get_dynamic_partitions(STEP_PARTITIONS))
     published = latest_weights_version(paths) or 0
     asked = asked_by_live_runs(instance, run_config)
     events: list[dg.AssetMaterialization] = []
-    for entry in scan_step_dirs(paths.checkpoints):
+    for entry in entries:
         key = step_key(entry.step)
-        if entry.kind != "final" or key not in known or entry.step in asked:
+        if entry.step in asked or not instance.has_dynamic_partition(STEP_PARTITIONS, key):
             continue
         if key in recorded[CHECKPOINT] and (
             key in recorded[SYNCED] or not (entry.path / HF_SUBDIR / "config.json").is_file()
@@ -335,7 +373,7 @@ def asked_by_live_runs(instance: dg.DagsterInstance, run_config: RunConfigResour
 def checkpoint_events(
     step: int,
     manifest,
-    recorded: Mapping[str, Sequence[str] | set[str]],
+    recorded: Mapping[str, set[str]],
     published: int,
     run_config: RunConfigResource,
 ) -> list[dg.AssetMaterialization]:
@@ -381,8 +419,11 @@ def weights_versions(
     """`weights_version` partitions for the versions on disk, so that the UI offers each
     published or kept version for `evaluation` without a partition added by hand."""
     versions = weights_versions_on_disk(run_config.paths)
-    known = set(instance.get_dynamic_partitions(WEIGHTS_PARTITIONS))
-    new = [step_key(v) for v in versions if step_key(v) not in known]
+    new = [
+        step_key(v)
+        for v in versions
+        if not instance.has_dynamic_partition(WEIGHTS_PARTITIONS, step_key(v))
+    ]
     if not new:
         return dg.SkipReason("every weights version on disk has its partition")
     return dg.SensorResult(dynamic_partitions_requests=[weights_partitions.build_add_request(new)])
