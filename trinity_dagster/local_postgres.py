@@ -83,16 +83,6 @@ def _program(name: str) -> str:
     )
 
 
-def available() -> bool:
-    """Whether the PostgreSQL server programs are installed here."""
-    try:
-        for name in ("initdb", "pg_ctl", "psql"):
-            _program(name)
-    except PostgresUnavailableError:
-        return False
-    return True
-
-
 def _as_server_user(command: list[str]) -> list[str]:
     """`command` run as `nobody` when this process is root (PostgreSQL refuses root)."""
     if os.geteuid() != 0:
