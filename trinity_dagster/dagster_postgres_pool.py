@@ -31,51 +31,37 @@ def pooled_engine(postgres_url: str) -> Engine:
     return create_pg_engine(postgres_url, None, isolation_level="AUTOCOMMIT", **POOL)
 
 
-class PooledPostgresEventLogStorage(PostgresEventLogStorage):
+class PooledConnection:
+    """Mixed in before a dagster-postgres storage: its engine keeps one connection."""
+
+    postgres_url: str
+    _engine: Engine
+
+    def __init__(
+        self,
+        postgres_url: str,
+        should_autocreate_tables: bool = True,
+        inst_data: ConfigurableClassData | None = None,
+    ) -> None:
+        super().__init__(postgres_url, should_autocreate_tables, inst_data)  # type: ignore[call-arg]
+        self._engine.dispose()
+        self._engine = pooled_engine(self.postgres_url)
+
+    @classmethod
+    def from_config_value(
+        cls, inst_data: ConfigurableClassData | None, config_value: Mapping[str, Any]
+    ) -> Any:
+        """The storage the instance's `dagster.yaml` configures."""
+        return cls(
+            pg_url_from_config(config_value),
+            config_value.get("should_autocreate_tables", True),
+            inst_data,
+        )
+
+
+class PooledPostgresEventLogStorage(PooledConnection, PostgresEventLogStorage):
     """`PostgresEventLogStorage` that reuses its connection."""
 
-    def __init__(
-        self,
-        postgres_url: str,
-        should_autocreate_tables: bool = True,
-        inst_data: ConfigurableClassData | None = None,
-    ) -> None:
-        super().__init__(postgres_url, should_autocreate_tables, inst_data)
-        self._engine.dispose()
-        self._engine = pooled_engine(self.postgres_url)
 
-    @classmethod
-    def from_config_value(
-        cls, inst_data: ConfigurableClassData | None, config_value: Mapping[str, Any]
-    ) -> PooledPostgresEventLogStorage:
-        """The storage the instance's `dagster.yaml` configures."""
-        return cls(
-            pg_url_from_config(config_value),
-            config_value.get("should_autocreate_tables", True),
-            inst_data,
-        )
-
-
-class PooledPostgresRunStorage(PostgresRunStorage):
+class PooledPostgresRunStorage(PooledConnection, PostgresRunStorage):
     """`PostgresRunStorage` that reuses its connection."""
-
-    def __init__(
-        self,
-        postgres_url: str,
-        should_autocreate_tables: bool = True,
-        inst_data: ConfigurableClassData | None = None,
-    ) -> None:
-        super().__init__(postgres_url, should_autocreate_tables, inst_data)
-        self._engine.dispose()
-        self._engine = pooled_engine(self.postgres_url)
-
-    @classmethod
-    def from_config_value(
-        cls, inst_data: ConfigurableClassData | None, config_value: Mapping[str, Any]
-    ) -> PooledPostgresRunStorage:
-        """The storage the instance's `dagster.yaml` configures."""
-        return cls(
-            pg_url_from_config(config_value),
-            config_value.get("should_autocreate_tables", True),
-            inst_data,
-        )
