@@ -24,7 +24,8 @@ test: install
 	bash scripts/test.sh
 
 lint: install
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy \
+		&& $(VENV)/bin/lint-imports
 
 format: install
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

@@ -2,7 +2,7 @@
 of save and sync requests to the trainer loop.
 
 The long-lived trainer run owns the engine, so a run the user launches during training does
-not take the `engine` pool: it writes a control request (`trinity_dagster.trainer.control`)
+not take the `engine` pool: it writes a control request (`trinity_dagster.handoff.control`)
 and waits for the loop's answer, which comes at the loop's next step boundary or at once
 while it waits for data. With no trainer loop alive (paused, finished, between runs) the run
 serves itself. Jobs (Launchpad of each job in the UI, or `dagster job launch`):
@@ -23,15 +23,16 @@ from assets.names import ROLLOUTS, TRAIN
 from assets.partitions import STEP_PARTITIONS, step_of
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
-from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer import Trainer, control
-from trinity_dagster.trainer.control import Action
-from trinity_dagster.trainer.run_state import (
+from trinity_dagster.handoff import control
+from trinity_dagster.handoff.control import Action
+from trinity_dagster.handoff.trainer_state import (
     STOPPED,
     TrainerState,
     read_trainer_state,
     write_trainer_state,
 )
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.trainer import Trainer
 
 # what an asset's or op's body gets: both know their run
 RunContext = dg.AssetExecutionContext | dg.OpExecutionContext

@@ -2,25 +2,21 @@
 
 import dagster as dg
 
+from assets.automation import build_rft_loop_sensor, build_schedules
 from assets.control import pause_training, resume_training, stop_training
 from assets.experiences import experience_schema, experiences
-from assets.explore import evaluate_newest_checkpoint, evaluation, rollouts
+from assets.explore import evaluation, rollouts
 from assets.jobs import evaluation_job, rollouts_job, save_job, train_job
 from assets.lineage import lineage_check_job, trained_exactly_once
-from assets.maintenance import (
-    checkpoint_retention_job,
-    checkpoint_retention_schedule,
-    delta_maintenance_job,
-    delta_maintenance_schedule,
-)
-from assets.sensors import rft_loop_sensor
+from assets.maintenance import checkpoint_retention_job, delta_maintenance_job
 from assets.sync import publish
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
-from resources.run_config import RunConfigResource, config_path_from_env
+from resources.run_config import RunConfigResource, config_path_from_env, load_run_config
 
 run_config = RunConfigResource(config_path=config_path_from_env())
+settings = load_run_config(run_config.config_path).dagster  # the one read of the config file
 
 defs = dg.Definitions(
     assets=[experiences, rollouts, train, publish, save, evaluation],
@@ -37,11 +33,7 @@ defs = dg.Definitions(
         resume_training,
         stop_training,
     ],
-    sensors=[rft_loop_sensor],
-    schedules=[
-        delta_maintenance_schedule,
-        checkpoint_retention_schedule,
-        evaluate_newest_checkpoint,
-    ],
+    sensors=[build_rft_loop_sensor(settings)],
+    schedules=build_schedules(settings),
     resources={"run_config": run_config, "engine": EngineResource(run_config=run_config)},
 )

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from assets.jobs import evaluation_job
 from assets.names import EVALUATION, ROLLOUTS
 from assets.partitions import (
     WEIGHTS_PARTITIONS,
@@ -26,10 +25,8 @@ from assets.partitions import (
     weights_partitions,
 )
 from assets.steps import StepPartitions, run_last_step, run_steps, step_materialization
-from resources.run_config import RunConfigResource, load_run_config
+from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
-
-_config = load_run_config()
 
 
 @dg.multi_asset(
@@ -91,16 +88,6 @@ def evaluation(
     return dg.MaterializeResult(metadata={**metrics, "weights_version": version})
 
 
-@dg.schedule(
-    name="evaluate_newest_checkpoint",
-    job=evaluation_job,
-    cron_schedule=_config.dagster.eval_cron,
-    default_status=(
-        dg.DefaultScheduleStatus.RUNNING
-        if _config.dagster.schedules_running
-        else dg.DefaultScheduleStatus.STOPPED
-    ),
-)
 def evaluate_newest_checkpoint(
     context: dg.ScheduleEvaluationContext, run_config: RunConfigResource
 ) -> dg.RunRequest | dg.SkipReason:

@@ -6,20 +6,13 @@ from typing import Any
 
 import dagster as dg
 
-from resources.run_config import RunConfigResource, load_run_config
+from resources.run_config import RunConfigResource
 from trinity_dagster.buffer.maintenance import clean_logs, compact, vacuum
 from trinity_dagster.checkpoint import retention
 from trinity_dagster.checkpoint.rules import sft_model_step
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.paths import RunPaths
-
-_config = load_run_config()
-_STATUS = (
-    dg.DefaultScheduleStatus.RUNNING
-    if _config.dagster.schedules_running
-    else dg.DefaultScheduleStatus.STOPPED
-)
 
 
 def maintain(config: TrinityConfig) -> dict[str, Any]:
@@ -72,17 +65,3 @@ def delta_maintenance_job() -> None:
 @dg.job(description="Checkpoint retention.")
 def checkpoint_retention_job() -> None:
     prune_old_checkpoints()
-
-
-delta_maintenance_schedule = dg.ScheduleDefinition(
-    name="delta_maintenance",
-    job=delta_maintenance_job,
-    cron_schedule=_config.dagster.maintenance_cron,
-    default_status=_STATUS,
-)
-checkpoint_retention_schedule = dg.ScheduleDefinition(
-    name="checkpoint_retention",
-    job=checkpoint_retention_job,
-    cron_schedule=_config.dagster.maintenance_cron,
-    default_status=_STATUS,
-)

@@ -49,8 +49,7 @@ from assets.partitions import (
 )
 from assets.steps import UNTIL_DATA_ENDS_TAG
 from assets.weights import checkpoint_metadata, hf_metadata
-from resources.run_config import RunConfigResource, load_run_config
-from trinity_dagster.buffer.end_of_data import end_of_data
+from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
@@ -62,17 +61,11 @@ from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_c
 from trinity_dagster.checkpoint.rules import explore_steps_needed
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
-from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
-from trinity_dagster.trainer import control
-from trinity_dagster.trainer.run_state import TrainerState, read_trainer_state
+from trinity_dagster.handoff import control
+from trinity_dagster.handoff.end_of_data import end_of_data
+from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
+from trinity_dagster.handoff.trainer_state import TrainerState, read_trainer_state
 
-_config = load_run_config()
-_STATUS = (
-    dg.DefaultSensorStatus.RUNNING
-    if _config.dagster.sensors_running
-    else dg.DefaultSensorStatus.STOPPED
-)
-_INTERVAL = _config.dagster.sensor_interval_s
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 MAX_ATTEMPTS = 3
@@ -499,18 +492,7 @@ def maintenance_request(
     return dg.SensorResult(run_requests=[request])
 
 
-@dg.sensor(
-    name="rft_loop_sensor",
-    jobs=[train_job, rollouts_job, evaluation_job, lineage_check_job, delta_maintenance_job],
-    minimum_interval_seconds=_INTERVAL,
-    default_status=_STATUS,
-    description=(
-        "Keep the trainer run (and the built-in explorer run) going, record checkpoints as "
-        "their manifests land, and at the end evaluate the initial, SFT and final weights "
-        "and check that every experience trained exactly once."
-    ),
-)
-def rft_loop_sensor(
+def evaluate_rft_loop(
     context: dg.SensorEvaluationContext, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
     """Every part's runs and runless events in one evaluation, or each part's skip reason.

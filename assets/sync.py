@@ -20,7 +20,7 @@ from assets.training import sync_metadata
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.publish import published_info
-from trinity_dagster.trainer import control
+from trinity_dagster.handoff import control
 
 
 @dg.multi_asset(

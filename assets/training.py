@@ -43,7 +43,7 @@ from trinity_dagster.buffer.sampler import PinResult, PinShortfall, pin_batch
 from trinity_dagster.checkpoint.layout import latest_weights_version
 from trinity_dagster.lineage.queries import counts_by
 from trinity_dagster.monitor.base import markdown_table
-from trinity_dagster.service.records import read_record
+from trinity_dagster.service_api.records import read_record
 from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
 from trinity_dagster.trainer import SyncWithheldError, Trainer, TrainerHook
 from trinity_dagster.trainer.preview import TABLE as PREVIEW_TABLE

@@ -28,7 +28,7 @@ from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
-from trinity_dagster.trainer import control
+from trinity_dagster.handoff import control
 
 
 def checkpoint_metadata(info: dict[str, Any]) -> dict[str, Any]:

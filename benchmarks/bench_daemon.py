@@ -38,7 +38,7 @@ from trinity_dagster.commands.training_run import metadata_values
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.service.records import read_record
+from trinity_dagster.service_api.records import read_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODULE = "benchmarks.bench_daemon"
@@ -92,9 +92,9 @@ def run_direct(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
     config = bench_config(root, steps, save_interval)
     from trinity_dagster.buffer.sampler import PinResult, pin_batch
     from trinity_dagster.buffer.writer import ExperienceWriter
+    from trinity_dagster.checkpoint.initial_weights import create_initial_model
     from trinity_dagster.checkpoint.rules import explorer_weights_version
     from trinity_dagster.explorer.explorer import Explorer
-    from trinity_dagster.explorer.initial_model import create_initial_model
     from trinity_dagster.service.launcher import connect
 
     paths = RunPaths.of_config(config)

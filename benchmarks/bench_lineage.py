@@ -48,7 +48,7 @@ from trinity_dagster.lineage.queries import (
     weights_lineage,
 )
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.records import write_record
+from trinity_dagster.service_api.records import write_record
 
 ROWS = 256
 CHUNK = 50  # steps per ledger update while building

@@ -147,12 +147,14 @@ def sensor_ticks(instance: Any, config_file: Path) -> tuple[float, float]:
     import dagster as dg
 
     from assets import sensors
-    from assets.sensors import NewestSteps, rft_loop_sensor
+    from assets.automation import build_rft_loop_sensor
+    from assets.sensors import NewestSteps
     from resources.run_config import RunConfigResource
-    from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
+    from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
     from trinity_dagster.paths import RunPaths
 
     resource = RunConfigResource(config_path=str(config_file))
+    rft_loop_sensor = build_rft_loop_sensor(resource.config.dagster)
     Heartbeat(RunPaths.of_config(resource.config), BUILTIN_EXPLORER_ID).beat(force=True)
     sensors.newest_step = NewestSteps()  # as in a code server that just started
     times = []

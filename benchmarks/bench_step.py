@@ -32,7 +32,7 @@ from benchmarks.bench_daemon import run_isolated, step_times, train_metadata
 from trinity_dagster.config import load_config
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.service.records import read_record
+from trinity_dagster.service_api.records import read_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODULE = "benchmarks.bench_step"

@@ -129,8 +129,8 @@ def qwen05b_config() -> dict[str, Any]:
 
 def demo_model(root: Path) -> Path:
     """The demo's initial model directory (built from `examples/demo.yaml` under `root`)."""
+    from trinity_dagster.checkpoint.initial_weights import create_initial_model
     from trinity_dagster.config import load_config
-    from trinity_dagster.explorer.initial_model import create_initial_model
 
     config = load_config(DEMO_CONFIG, {"run_root": str(root / "demo-run")})
     return create_initial_model(config, RunPaths.of(config.run_root))

@@ -1,7 +1,7 @@
 """The run configuration as a Dagster resource."""
 
 import os
-from functools import cached_property
+from functools import cache, cached_property
 
 import dagster as dg
 
@@ -20,9 +20,20 @@ def config_path_from_env() -> str | None:
     return os.environ.get(CONFIG_ENV_VAR) or None
 
 
-def load_run_config() -> TrinityConfig:
-    """The configuration named by the environment, for definitions that depend on it."""
-    return load_config(config_path_from_env())
+def load_run_config(config_path: str | None) -> TrinityConfig:
+    """The validated configuration in `config_path` (None: the embedded defaults), read once
+    per process while the file (and the working directory, against which the defaults'
+    relative paths resolve) is unchanged: the definitions and the resource share it."""
+    try:
+        stamp = os.stat(config_path).st_mtime_ns if config_path else None
+    except OSError:
+        stamp = None  # load_config names the missing file
+    return _load(config_path, stamp, os.getcwd())
+
+
+@cache
+def _load(config_path: str | None, stamp: int | None, cwd: str) -> TrinityConfig:
+    return load_config(config_path)
 
 
 class RunConfigResource(dg.ConfigurableResource):
@@ -37,7 +48,7 @@ class RunConfigResource(dg.ConfigurableResource):
         `continue_from_checkpoint: false` on a run root in use is refused: each process of
         the code location would pick its own fresh name; `trinity-dagster run` picks one.
         """
-        config = load_config(self.config_path)
+        config = load_run_config(self.config_path)
         if not config.continue_from_checkpoint and run_root_in_use(config):
             raise ConfigError(
                 f"continue_from_checkpoint: false and {config.run_root} holds a run already: "

@@ -66,7 +66,7 @@ def tiny_config(tmp_path: Path, extra: dict[str, Any] | None = None) -> tuple[Tr
 
 def vocab_size(config: TrinityConfig) -> int:
     """The vocabulary of the run's initial model (created if needed)."""
-    from trinity_dagster.explorer.initial_model import create_initial_model
+    from trinity_dagster.checkpoint.initial_weights import create_initial_model
 
     model_dir = create_initial_model(config, RunPaths.of(config.run_root))
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -142,8 +142,8 @@ def train_beside_explorer(
     import asyncio
     import threading
 
-    from trinity_dagster.buffer.end_of_data import mark_end_of_data
     from trinity_dagster.explorer.loop import ExplorerLoop
+    from trinity_dagster.handoff.end_of_data import mark_end_of_data
     from trinity_dagster.service.launcher import start_service, stop_service
     from trinity_dagster.trainer.trainer import Trainer
 

@@ -11,7 +11,7 @@ import torch
 from deltalake import DeltaTable
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trinity_dagster.explorer.tasks import load_taskset
+from trinity_dagster.tasks import load_taskset
 
 REPO = Path(__file__).resolve().parents[1]
 # The demo exactly as `make demo` runs it: 175 SFT steps, then 275 GRPO steps, seed 42:0.

@@ -38,12 +38,12 @@ from trinity_dagster.checkpoint.layout import (
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.config import load_config
 from trinity_dagster.dagster_instance import write_instance_yaml
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.service.records import read_record, recorded_steps
-from trinity_dagster.service.state import read_state
+from trinity_dagster.service_api.records import read_record, recorded_steps
+from trinity_dagster.service_api.state import read_state
 from trinity_dagster.steps import step_key
-from trinity_dagster.trainer.run_state import read_trainer_state
 
 pytestmark = pytest.mark.slow
 

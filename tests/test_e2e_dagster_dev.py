@@ -45,10 +45,10 @@ from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir, latest_
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.dagster_instance import instance_yaml
+from trinity_dagster.handoff.trainer_state import STOPPED, read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import find_service, stop_service
 from trinity_dagster.trainer import Trainer
-from trinity_dagster.trainer.run_state import STOPPED, read_trainer_state
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ from deltalake import DeltaTable
 
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
 from trinity_dagster.buffer.writer import ExperienceWriter
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

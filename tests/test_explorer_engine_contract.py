@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import published_weights_dir
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.evaluation import evaluate, score_responses, wilson_interval
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.explorer.policy import load_policy
 from trinity_dagster.explorer.rewards import exact_match, partial_credit
-from trinity_dagster.explorer.tasks import Task, load_taskset
-from trinity_dagster.explorer.tokenizer import build_tokenizer, load_tokenizer
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tasks import Task, load_taskset
+from trinity_dagster.tokenizer import build_tokenizer, load_tokenizer
 
 MY_TASKS = [("3+4=", "7"), ("12-5=", "7"), ("9*9=", "81"), ("what is one?", "1"), ("2+2=", "4")]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.explorer.rewards import (
     REWARD_FNS,
     clean_response,
@@ -19,8 +19,8 @@ from trinity_dagster.explorer.rewards import (
     math_verify,
     partial_credit,
 )
-from trinity_dagster.explorer.tasks import load_taskset
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tasks import load_taskset
 
 REPO = Path(__file__).resolve().parents[1]
 

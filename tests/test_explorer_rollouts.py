@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import published_weights_dir, set_latest_weights_version
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.explorer import explorer as explorer_module
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.generation import SamplingParams, choose_next_tokens
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.explorer.policy import load_policy
 from trinity_dagster.explorer.rewards import exact_match
 from trinity_dagster.paths import RunPaths

@@ -7,9 +7,10 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from assets.automation import build_rft_loop_sensor
 from assets.experiences import experience_schema, experiences
 from assets.explore import rollouts
-from assets.sensors import checkpoint_records, rft_loop_sensor, trainer_request
+from assets.sensors import checkpoint_records, trainer_request
 from assets.steps import UNTIL_DATA_ENDS_TAG
 from assets.training import train
 from assets.weights import save
@@ -19,10 +20,10 @@ from tests.run_helpers import fill_buffer, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir, set_latest_weights_version
 from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
 from trinity_dagster.commands.training_run import metadata_values
-from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
+from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
+from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
-from trinity_dagster.trainer.run_state import DATA_ENDED, read_trainer_state
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -73,7 +74,8 @@ def test_graph_trains_ranges_and_records_checkpoints(graph) -> None:
     context = dg.build_sensor_context(
         instance=instance, resources={"run_config": resources["run_config"]}
     )
-    first = rft_loop_sensor.evaluate_tick(context)  # as the daemon does, with its checks
+    sensor = build_rft_loop_sensor(config.dagster)
+    first = sensor.evaluate_tick(context)  # as the daemon does, with its checks
     requests = {request.job_name: request for request in first.run_requests}
     assert set(requests) == {"train_job", "rollouts_job"}
     request = requests["train_job"]
@@ -234,7 +236,7 @@ def test_without_total_steps_training_goes_on_until_the_explorers_data_ends(
             context = dg.build_sensor_context(
                 instance=instance, resources={"run_config": run_config}
             )
-            first = rft_loop_sensor.evaluate_tick(context)
+            first = build_rft_loop_sensor(config.dagster).evaluate_tick(context)
             requests = {request.job_name: request for request in first.run_requests}
             assert set(requests) == {"train_job", "rollouts_job"}
             for request in requests.values():  # open-ended runs from step 1, one partition

@@ -1,7 +1,7 @@
 """Kill points: engine rank 0 dies (or hangs) at each crash window of a short training.
 
 Each case runs the real trainer loop (`Trainer` + `ServiceEngineWrapper`) over 4 steps with
-the fault armed (`TRINITY_DAGSTER_FAULT`, `trinity_dagster.service.faults`). The schedule
+the fault armed (`TRINITY_DAGSTER_FAULT`, `trinity_dagster.faults`). The schedule
 (`sync_interval` 1, `save_interval` 2) publishes weights 1 and 3, saves checkpoint 2 in the
 background serving as its sync, and ends with the blocking final save 4 serving as the sync.
 The training must finish by itself with the uninterrupted run's final weights, bit for bit,
@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.run_helpers import fill_buffer, merge, tiny_config
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -31,12 +32,11 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.checkpoint.shm_weights import remove_shm_dir
 from trinity_dagster.config import TrinityConfig
-from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.faults import ENV, fired_path
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.faults import ENV, fired_path
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.trainer.engine_wrapper import ServiceEngineWrapper
-from trinity_dagster.trainer.run_state import read_trainer_state
 from trinity_dagster.trainer.trainer import Trainer, TrainerHook
 
 pytestmark = pytest.mark.slow

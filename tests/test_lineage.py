@@ -27,7 +27,7 @@ from trinity_dagster.lineage import ledger
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.lineage.verify import verify_trained_once
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.records import record_path, write_record
+from trinity_dagster.service_api.records import record_path, write_record
 
 
 def explore(config: TrinityConfig, step: int, version: int, n: int = 4) -> list[str]:

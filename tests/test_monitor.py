@@ -29,11 +29,11 @@ from tests.test_trainer_loop import FakeEngine, RecordingHook
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
-from trinity_dagster.explorer.tokenizer import build_tokenizer
 from trinity_dagster.monitor import Monitor, MonitorError, MonitorGroup
 from trinity_dagster.monitor.base import markdown_table
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.tokenizer import build_tokenizer
 from trinity_dagster.trainer import SyncWithheldError, Trainer
 from trinity_dagster.trainer.preview import TABLE as PREVIEW
 
@@ -177,10 +177,10 @@ def assert_config_params(run: Run, config: TrinityConfig) -> None:
         ),
         ({"wandb_mode": "cloud"}, "monitor.wandb_mode", "'offline' or 'online'"),
         ({"backends": ["jsonl", "jsonl"]}, "monitor.backends", "jsonl listed more than once"),
-        ({"metrics_file": True}, "monitor.metrics_file", "replaced by monitor.backends"),
+        ({"metrics_file": True}, "monitor.metrics_file", "unknown key"),
     ],
 )
-def test_unknown_unsupported_and_replaced_settings_are_refused(
+def test_unknown_and_unsupported_settings_are_refused(
     monitor: dict[str, Any], key: str, says: str
 ) -> None:
     with pytest.raises(ConfigError) as err:

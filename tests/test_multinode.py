@@ -32,7 +32,7 @@ from trinity_dagster.service.launcher import (
     stop_service,
 )
 from trinity_dagster.service.recipes import RecipeOptions, k8s_manifest, slurm_script
-from trinity_dagster.service.state import (
+from trinity_dagster.service_api.state import (
     ServiceState,
     advertised_host,
     ensure_token,

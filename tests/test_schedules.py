@@ -27,6 +27,7 @@ from trinity_dagster.buffer.maintenance import clean_logs
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
 from trinity_dagster.buffer.tables import TABLE_CONFIGURATION
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
@@ -35,7 +36,6 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.paths import RunPaths
 

@@ -19,7 +19,7 @@ from dagster._core.test_utils import instance_for_test
 from assets.sensors import end_hung_explorer, explorer_request, worker_gone
 from resources.run_config import RunConfigResource
 from tests.run_helpers import tiny_config
-from trinity_dagster.explorer.heartbeat import (
+from trinity_dagster.handoff.heartbeat import (
     BUILTIN_EXPLORER_ID,
     Heartbeat,
     heartbeat_path,

@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step, weights_dir
 from trinity_dagster.checkpoint.manifest import read_manifest, verify_checkpoint
+from trinity_dagster.faults import ENV as FAULT_ENV
+from trinity_dagster.faults import Fault, fired_path, parse_fault
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import EngineClient, EngineError
-from trinity_dagster.service.faults import ENV as FAULT_ENV
-from trinity_dagster.service.faults import Fault, fired_path, parse_fault
 from trinity_dagster.service.launcher import connect, live_service, stop_service
 from trinity_dagster.service.server import check_bind_host
-from trinity_dagster.service.state import (
+from trinity_dagster.service_api.client import EngineClient, EngineError
+from trinity_dagster.service_api.state import (
     ServiceState,
     read_state,
     read_token,
@@ -304,7 +304,7 @@ def test_a_fault_spec_names_a_window_an_optional_step_and_mode() -> None:
 ARMED_FAULT = """
 import sys
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service import faults
+from trinity_dagster import faults
 print(faults.arm(RunPaths.of(sys.argv[1]), rank=int(sys.argv[2])), flush=True)
 faults.fault_point("weights_publish", 2)
 faults.fault_point("weights_publish", 3)

@@ -27,10 +27,10 @@ from trinity_dagster.cli import main as cli_main
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
 from trinity_dagster.service.processes import service_processes
-from trinity_dagster.service.protocol import MAX_STEP, StepConflictError
-from trinity_dagster.service.records import unrecorded_span, write_record
 from trinity_dagster.service.server import MAX_BODY_BYTES, build_app
-from trinity_dagster.service.state import (
+from trinity_dagster.service_api.protocol import MAX_STEP, StepConflictError
+from trinity_dagster.service_api.records import unrecorded_span, write_record
+from trinity_dagster.service_api.state import (
     MIN_TOKEN_CHARS,
     TokenFileError,
     ensure_token,
@@ -158,7 +158,7 @@ def test_a_step_that_is_not_a_json_integer_is_refused_by_name(path: str, step: o
 
 
 def test_the_client_sends_every_step_as_a_json_integer() -> None:
-    from trinity_dagster.service.client import EngineClient
+    from trinity_dagster.service_api.client import EngineClient
 
     sent: list[tuple[str, bytes]] = []
 

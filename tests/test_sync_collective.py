@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.run_helpers import tiny_config, train_beside_explorer
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_weights_version,
@@ -21,11 +22,10 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import EngineClient
-from trinity_dagster.service.state import ServiceState, read_state, read_token, write_state
-from trinity_dagster.trainer.run_state import read_trainer_state
+from trinity_dagster.service_api.client import EngineClient
+from trinity_dagster.service_api.state import ServiceState, read_state, read_token, write_state
 from trinity_dagster.weight_sync import announce, receiver
 from trinity_dagster.weight_sync.buckets import pack
 from trinity_dagster.weight_sync.receiver import WeightSyncError, receive_described

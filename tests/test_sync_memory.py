@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from tests.run_helpers import tiny_config, train_beside_explorer
 from trinity_dagster.checkpoint import shm_weights
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_weights_version,
@@ -29,11 +30,10 @@ from trinity_dagster.checkpoint.shm_weights import (
     shm_versions,
     write_shm_weights,
 )
-from trinity_dagster.config import TrinityConfig
+from trinity_dagster.config import ConfigError, TrinityConfig, check_inputs
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer.run_state import read_trainer_state
 
 MEMORY = {"synchronizer": {"sync_method": "memory"}, "explorer": {"tasks_per_step": 2}}
 
@@ -152,9 +152,10 @@ def test_memory_sync_is_refused_where_it_cannot_reach_the_explorer(
     multinode = {**MEMORY, "service": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}}
     with pytest.raises(ValueError, match=r"synchronizer\.sync_method.*rank 0 may land on any"):
         tiny_config(tmp_path, multinode)
+    config = tiny_config(tmp_path, MEMORY)  # the machine is probed at launch, not at load
     monkeypatch.setattr("trinity_dagster.config.SHM_ROOT", tmp_path / "no-shm")
-    with pytest.raises(ValueError, match=r"synchronizer\.sync_method.*Linux only"):
-        tiny_config(tmp_path, MEMORY)
+    with pytest.raises(ConfigError, match=r"synchronizer\.sync_method.*Linux only"):
+        check_inputs(config)
 
 
 @pytest.mark.parametrize("explored", [3, 2], ids=["total_steps", "data_ends_early"])

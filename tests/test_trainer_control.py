@@ -1,7 +1,7 @@
 """The trainer loop serves control requests (save, sync, pause, stop) from Dagster runs.
 
 The loop runs in a thread over the fake engine of `test_trainer_loop` and real Delta batches;
-the test plays the asking run through `trinity_dagster.trainer.control`, as the UI's runs do.
+the test plays the asking run through `trinity_dagster.handoff.control`, as the UI's runs do.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from tests.test_trainer_loop import (
     _start_in_thread,
     make_config,
 )
-from trinity_dagster.buffer.end_of_data import mark_end_of_data
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff import control
+from trinity_dagster.handoff.end_of_data import mark_end_of_data
+from trinity_dagster.handoff.trainer_state import STOPPED, read_trainer_state
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer import Trainer, control
-from trinity_dagster.trainer.run_state import STOPPED, read_trainer_state
+from trinity_dagster.trainer import Trainer
 
 
 def ask(paths: RunPaths, request_id: str, action: control.Action, **kw: Any) -> dict[str, Any]:

@@ -18,13 +18,13 @@ import pytest
 
 import tests.run_helpers as run_helpers
 from tests.run_helpers import fill_buffer, tiny_config
-from trinity_dagster.buffer.end_of_data import mark_end_of_data
 from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff.end_of_data import mark_end_of_data
+from trinity_dagster.handoff.sync_requests import is_answered, pending_requests, request_sync
+from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer import SyncWithheldError, TrainEngineWrapper, Trainer, TrainerHook
-from trinity_dagster.trainer.run_state import DATA_ENDED, read_trainer_state
-from trinity_dagster.trainer.sync_requests import is_answered, pending_requests, request_sync
 
 Event = tuple[Any, ...]
 

@@ -13,6 +13,7 @@ import hashlib
 import ipaddress
 import json
 from collections.abc import Iterator
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -29,9 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from trinity_dagster.checkpoint.shm_weights import SHM_ROOT
-from trinity_dagster.explorer.tasks import TASKSETS
-from trinity_dagster.paths import delta_unaddressable, local_path, uri_scheme
+from trinity_dagster.paths import SHM_ROOT, delta_unaddressable, local_path, uri_scheme
+from trinity_dagster.tasks import TASKSETS
 from trinity_dagster.trinity_keys import TrinityKeyError, set_dotted, translate
 
 DEFAULT_RUN_ROOT = "runs/demo"
@@ -337,14 +337,28 @@ class TrainerConfig(_Section):
 
 # Trinity-RFT's sync styles (docs/checkpoints.md): when the trainer publishes and when
 # explorers take new weights.
-SyncStyle = Literal["fixed", "explorer_driven", "trainer_driven", "fully_async"]
+class SyncMethod(StrEnum):
+    """How trained weights reach explorers."""
+
+    CHECKPOINT = "checkpoint"  # safetensors files under weights/
+    MEMORY = "memory"  # a region in /dev/shm on engine rank 0's machine
+    NCCL = "nccl"  # a collective transfer from engine rank 0 (gloo on CPU)
+
+
+class SyncStyle(StrEnum):
+    """When explorers get new weights (Trinity-RFT's sync styles)."""
+
+    FIXED = "fixed"  # every sync_interval steps
+    EXPLORER_DRIVEN = "explorer_driven"  # when an explorer asks
+    TRAINER_DRIVEN = "trainer_driven"  # when the trainer decides
+    FULLY_ASYNC = "fully_async"  # explorers never wait for weights
 
 
 class SynchronizerConfig(_Section):
     """How and when trained weights reach the explorers."""
 
-    sync_method: Literal["checkpoint", "memory", "nccl"] = "checkpoint"
-    sync_style: SyncStyle = "fixed"
+    sync_method: SyncMethod = SyncMethod.CHECKPOINT
+    sync_style: SyncStyle = SyncStyle.FIXED
     sync_interval: int = Field(default=1, ge=1)
     sync_offset: int = Field(default=0, ge=0, description="Explore steps explorers run ahead.")
     sync_timeout: float = Field(
@@ -379,7 +393,7 @@ class SynchronizerConfig(_Section):
 
     @model_validator(mode="after")
     def _offset_bounds_waiting_explorers(self) -> SynchronizerConfig:
-        if self.sync_style == "fully_async" and self.sync_offset:
+        if self.sync_style is SyncStyle.FULLY_ASYNC and self.sync_offset:
             raise _at(
                 "synchronizer.sync_offset",
                 f"{self.sync_offset}: sync_offset bounds how far explorers run ahead of the "
@@ -604,19 +618,6 @@ class MonitorConfig(_Section):
         default=None, description="The W&B server of 'online' runs; None: W&B's default."
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_replaced(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        if "metrics_file" in data:
-            raise _at(
-                "monitor.metrics_file",
-                "replaced by monitor.backends: list 'jsonl' there to append each step's "
-                "metrics to logs/metrics.jsonl",
-            )
-        return data
-
     @model_validator(mode="after")
     def _check_backends_once(self) -> MonitorConfig:
         repeated = sorted({b for b in self.backends if self.backends.count(b) > 1})
@@ -703,8 +704,13 @@ class TrinityConfig(_Section):
                 "'cosine' decays to min_lr at trainer.total_steps, which is unset (train until "
                 "the data ends); use 'constant' or set trainer.total_steps",
             )
-        if self.synchronizer.sync_method == "memory":
-            self._check_memory_sync()
+        if self.synchronizer.sync_method is SyncMethod.MEMORY and self.service.nnodes > 1:
+            raise _at(
+                "synchronizer.sync_method",
+                f"'memory' needs the explorer on the machine of engine rank 0, but with "
+                f"service.nnodes {self.service.nnodes} rank 0 may land on any node; "
+                "use 'checkpoint' to reach explorers on other machines",
+            )
         self._check_service_layout()
         if not (is_loopback_host(self.service.host) or self.service.allow_non_loopback):
             raise _at(
@@ -713,22 +719,6 @@ class TrinityConfig(_Section):
                 "service.allow_non_loopback: true to expose the control API",
             )
         return self
-
-    def _check_memory_sync(self) -> None:
-        """Weights in shared memory reach only explorers on rank 0's machine, under Linux."""
-        if self.service.nnodes > 1:
-            raise _at(
-                "synchronizer.sync_method",
-                f"'memory' needs the explorer on the machine of engine rank 0, but with "
-                f"service.nnodes {self.service.nnodes} rank 0 may land on any node; "
-                "use 'checkpoint' to reach explorers on other machines",
-            )
-        if not SHM_ROOT.is_dir():
-            raise _at(
-                "synchronizer.sync_method",
-                f"'memory' passes weights through {SHM_ROOT}, which this machine lacks "
-                "(Linux only); use 'checkpoint'",
-            )
 
     def _check_service_layout(self) -> None:
         """The service's nodes x ranks per node must be the engine's world size."""
@@ -810,7 +800,8 @@ def config_from_dict(
     directory).
     """
     try:
-        cfg = TrinityConfig.model_validate(translate(data))
+        repeat_times = AlgorithmConfig.model_fields["repeat_times"].default
+        cfg = TrinityConfig.model_validate(translate(data, default_repeat_times=repeat_times))
     except TrinityKeyError as err:
         lines = "\n".join(f"  {line}" for line in err.lines)
         raise ConfigError(f"Trinity-RFT keys in {source} that cannot act here:\n{lines}") from None
@@ -890,8 +881,8 @@ def start_fresh(config: TrinityConfig, now: dt.datetime | None = None) -> Trinit
 
 
 def check_inputs(config: TrinityConfig) -> None:
-    """Refuse a configuration whose inputs do not exist or do not fit: `model.path` (and its
-    positions) and the task files.
+    """Refuse a configuration whose inputs do not exist or do not fit this machine: `model.path`
+    (and its positions), the task files, and `/dev/shm` for `sync_method: memory`.
 
     The one-line message names each missing input's key path and path. Built-in task sets
     need no file; outputs (`run_root`, `buffer.tables_root`) are created when needed.
@@ -914,6 +905,11 @@ def _missing_inputs(config: TrinityConfig) -> Iterator[str]:
                 f"model.max_prompt_tokens + max_response_tokens ({config.model.max_model_len}) "
                 f"exceeds max_position_embeddings ({positions}) of {model_path}/config.json"
             )
+    if config.synchronizer.sync_method is SyncMethod.MEMORY and not SHM_ROOT.is_dir():
+        yield (
+            f"synchronizer.sync_method: 'memory' passes weights through {SHM_ROOT}, which this "
+            "machine lacks (Linux only); use 'checkpoint'"
+        )
     for field in ("taskset", "eval_taskset"):
         value = getattr(config.explorer, field)
         if value in TASKSETS or Path(value).is_file():

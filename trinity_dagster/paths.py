@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from trinity_dagster.config import TrinityConfig
 
 LOCAL_URI_SCHEMES = ("file",)
+SHM_ROOT = Path("/dev/shm")  # where `sync_method: memory` keeps its weights regions
 # What Delta Lake (deltalake 1.6) cannot address in a table's real path (measured): `^ | [ ]`
 # make a write panic, `\` is taken as a separator, control characters are refused, and `%`
 # with two hex digits is decoded twice, so a table under `a%20b` is read and written under

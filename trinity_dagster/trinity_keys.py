@@ -709,9 +709,12 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
 _BY_PATH = {key.path: key for key in TRINITY_KEYS}
 
 
-def translate(data: dict[str, Any]) -> dict[str, Any]:
+def translate(data: dict[str, Any], *, default_repeat_times: int) -> dict[str, Any]:
     """`data` with Trinity-RFT's keys moved to this project's; raises `TrinityKeyError` with
-    one line per key that cannot act here (`key path: why, what to use`)."""
+    one line per key that cannot act here (`key path: why, what to use`).
+
+    `default_repeat_times` is `algorithm.repeat_times` when `data` does not set it (Trinity's
+    `buffer.train_batch_size` 0 is derived from it)."""
     out = copy.deepcopy(data)
     moved: dict[str, tuple[str, Any]] = {}  # our key -> (Trinity key, value)
     refused: list[str] = []
@@ -738,7 +741,7 @@ def translate(data: dict[str, Any]) -> dict[str, Any]:
         raise TrinityKeyError(refused)
     for ours, (_, value) in moved.items():
         set_dotted(out, ours, value)
-    _derive_train_batch_size(out, data)
+    _derive_train_batch_size(out, data, default_repeat_times)
     return out
 
 
@@ -753,16 +756,15 @@ def _trinity_entries(data: Mapping[str, Any], prefix: str = "") -> Iterator[tupl
             yield from _trinity_entries(value, f"{path}.")
 
 
-def _derive_train_batch_size(out: dict[str, Any], data: Mapping[str, Any]) -> None:
+def _derive_train_batch_size(
+    out: dict[str, Any], data: Mapping[str, Any], default_repeat_times: int
+) -> None:
     """Trinity's `buffer.train_batch_size` 0 (or absent) means batch_size x repeat_times."""
     tasks = _dotted(data, "buffer.batch_size")
     given = _dotted(data, "buffer.train_batch_size")
     if tasks is None or given not in (None, 0):
         return
-    from trinity_dagster.config import AlgorithmConfig  # config.py imports this module
-
-    default = AlgorithmConfig.model_fields["repeat_times"].default
-    repeat = _dotted(out, "algorithm.repeat_times", default)
+    repeat = _dotted(out, "algorithm.repeat_times", default_repeat_times)
     set_dotted(out, "buffer.train_batch_size", int(tasks) * int(repeat))
 
 

@@ -38,15 +38,15 @@ from trinity_dagster.checkpoint.manifest import (
     verify_checkpoint,
     write_manifest,
 )
+from trinity_dagster.checkpoint.markers import CheckpointMonitor
 from trinity_dagster.checkpoint.protocols import SaveHandle, StateProvider
 from trinity_dagster.checkpoint.publish import checkpoint_sync_dir
 from trinity_dagster.checkpoint.retention import is_complete, prune_checkpoints
 from trinity_dagster.checkpoint.rules import sft_model_step
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.faults import fault_point
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.faults import fault_point
-from trinity_dagster.trainer.checkpoint_monitor import CheckpointMonitor
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from trinity_dagster.checkpoint.layout import (
 )
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.checkpoint.weights_holds import held_versions
+from trinity_dagster.faults import fault_point
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.faults import fault_point
 
 if TYPE_CHECKING:
     from torch import Tensor

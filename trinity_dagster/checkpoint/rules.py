@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from trinity_dagster.config import SynchronizerConfig, SyncStyle, TrinityConfig
+from trinity_dagster.config import SynchronizerConfig, SyncMethod, SyncStyle, TrinityConfig
 
 
 def _check_step(step: int, name: str = "step") -> None:
@@ -22,7 +22,7 @@ def need_sync(
     *,
     sync_interval: int,
     last_sync_step: int,
-    style: SyncStyle = "fixed",
+    style: SyncStyle = SyncStyle.FIXED,
     explorer_requested: bool = False,
 ) -> bool:
     """Whether weights of train step `step` must be synced to explorers.
@@ -35,13 +35,13 @@ def need_sync(
     _check_step(last_sync_step, "last_sync_step")
     if sync_interval < 1:
         raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
+    if style not in set(SyncStyle):
+        raise ValueError(f"unknown sync style {style!r}")
     if step == last_sync_step:
         return False
-    if style in ("fixed", "trainer_driven", "fully_async"):
-        return step % sync_interval == 0
-    if style == "explorer_driven":
+    if style == SyncStyle.EXPLORER_DRIVEN:
         return explorer_requested
-    raise ValueError(f"unknown sync style {style!r}")
+    return step % sync_interval == 0
 
 
 def explorer_waits_for_weights(sync: SynchronizerConfig) -> bool:
@@ -50,9 +50,9 @@ def explorer_waits_for_weights(sync: SynchronizerConfig) -> bool:
     `trainer_driven` with weights published as files or in shared memory (they pull the
     trainer's next version at their sync points). Under `trainer_driven` with `nccl` they take
     a version only if the trainer has one ready, and under `fully_async` they never wait."""
-    if sync.sync_style == "trainer_driven":
-        return sync.sync_method != "nccl"
-    return sync.sync_style == "fixed"
+    if sync.sync_style is SyncStyle.TRAINER_DRIVEN:
+        return sync.sync_method is not SyncMethod.NCCL
+    return sync.sync_style is SyncStyle.FIXED
 
 
 def is_explorer_sync_point(explore_step: int, sync: SynchronizerConfig) -> bool:

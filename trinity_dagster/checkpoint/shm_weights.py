@@ -29,14 +29,13 @@ from trinity_dagster.checkpoint.layout import (
     read_marker,
     step_dir_name,
 )
+from trinity_dagster.faults import fault_point
 from trinity_dagster.files import write_file_atomic, write_text_atomic
-from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.faults import fault_point
+from trinity_dagster.paths import SHM_ROOT, RunPaths
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-SHM_ROOT = Path("/dev/shm")
 ALIGN = 64
 KEEP = 2
 SUFFIX = ".weights"

@@ -6,7 +6,7 @@ then GRPO on its own rollouts, all through the Dagster graph, with every artefac
 
 import argparse
 
-from trinity_dagster.cli import positive_int
+from trinity_dagster.commands.arguments import positive_int
 from trinity_dagster.config import DEFAULT_RUN_ROOT, load_config
 
 

@@ -2,7 +2,7 @@
 
 import argparse
 
-from trinity_dagster.cli import positive_int
+from trinity_dagster.commands.arguments import positive_int
 from trinity_dagster.config import load_config
 
 

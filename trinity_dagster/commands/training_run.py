@@ -25,13 +25,13 @@ from pathlib import Path
 from statistics import fmean, variance
 from typing import TYPE_CHECKING, Any
 
-from trinity_dagster.buffer.end_of_data import clear_end_of_data
 from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs, start_fresh
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
+from trinity_dagster.handoff.end_of_data import clear_end_of_data
+from trinity_dagster.handoff.trainer_state import read_trainer_state, state_path
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.steps import step_key
-from trinity_dagster.trainer.run_state import read_trainer_state, state_path
 
 if TYPE_CHECKING:
     import psutil
@@ -174,7 +174,7 @@ def engine_processes(paths: RunPaths) -> list[psutil.Process]:
     import psutil
 
     from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
-    from trinity_dagster.service.state import CONFIG_FILE
+    from trinity_dagster.service_api.state import CONFIG_FILE
 
     config_file = str(paths.service / CONFIG_FILE)
     found = []
@@ -491,7 +491,7 @@ def held_out_accuracy(
 ) -> dict[str, Any]:
     """`accuracy_<when>` and `accuracy_<when>_ci95` ([low, high]) from the evaluation
     metadata of each point (start, sft, end), and `eval_tasks`, the held-out set's size."""
-    from trinity_dagster.explorer.tasks import taskset_name
+    from trinity_dagster.tasks import taskset_name
 
     prefix = f"eval/{taskset_name(config.explorer.eval_taskset)}"
     out: dict[str, Any] = {}

@@ -17,15 +17,15 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from trinity_dagster.config import TrinityConfig
-from trinity_dagster.explorer.tasks import load_taskset
-from trinity_dagster.explorer.tokenizer import (
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.tasks import load_taskset
+from trinity_dagster.tokenizer import (
     build_tokenizer,
     decode_response,
     encode_prompt,
     encode_response,
     load_tokenizer,
 )
-from trinity_dagster.paths import RunPaths
 
 DEMONSTRATION_EXPLORER_ID = "demonstrations"
 

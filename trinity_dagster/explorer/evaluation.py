@@ -21,9 +21,9 @@ from trinity_dagster.explorer.explorer import encode_taskset
 from trinity_dagster.explorer.generation import SamplingParams, generate
 from trinity_dagster.explorer.policy import load_policy
 from trinity_dagster.explorer.rewards import RewardFn, get_reward_fn
-from trinity_dagster.explorer.tasks import Task, load_taskset
-from trinity_dagster.explorer.tokenizer import decode_response, load_tokenizer
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tasks import Task, load_taskset
+from trinity_dagster.tokenizer import decode_response, load_tokenizer
 
 EVAL_BATCH_SIZE = 64
 Z_95 = 1.959963984540054  # the standard normal quantile of 0.975

@@ -25,9 +25,9 @@ from trinity_dagster.config import TrinityConfig
 from trinity_dagster.explorer.generation import Generation, SamplingParams, generate
 from trinity_dagster.explorer.policy import copy_weights_into, load_policy, resolve_version
 from trinity_dagster.explorer.rewards import get_reward_fn
-from trinity_dagster.explorer.tasks import Task, TaskSet, load_taskset
-from trinity_dagster.explorer.tokenizer import decode_response, encode_prompt, load_tokenizer
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tasks import Task, TaskSet, load_taskset
+from trinity_dagster.tokenizer import decode_response, encode_prompt, load_tokenizer
 from trinity_dagster.weight_sync.announce import announced_version
 from trinity_dagster.weight_sync.receiver import Received, receive_weights
 

@@ -29,8 +29,8 @@ from collections.abc import Callable, Collection
 from statistics import fmean
 from typing import Any
 
-from trinity_dagster.buffer.end_of_data import mark_end_of_data
 from trinity_dagster.buffer.writer import ExperienceWriter
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.rules import (
     explore_steps_needed,
     explorer_waits_for_weights,
@@ -38,15 +38,15 @@ from trinity_dagster.checkpoint.rules import (
     is_explorer_sync_point,
 )
 from trinity_dagster.checkpoint.shm_weights import newest_weights_version
-from trinity_dagster.config import TrinityConfig
+from trinity_dagster.config import SyncStyle, TrinityConfig
 from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.explorer import Explorer
-from trinity_dagster.explorer.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
-from trinity_dagster.explorer.initial_model import create_initial_model
+from trinity_dagster.handoff.control import paused_by
+from trinity_dagster.handoff.end_of_data import mark_end_of_data
+from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
+from trinity_dagster.handoff.sync_requests import is_answered, request_sync
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer.control import paused_by
-from trinity_dagster.trainer.run_state import read_trainer_state
-from trinity_dagster.trainer.sync_requests import is_answered, request_sync
 from trinity_dagster.weight_sync.announce import announced_version
 from trinity_dagster.weight_sync.receiver import WeightSyncError
 
@@ -185,7 +185,7 @@ class ExplorerLoop:
 
     def _asks_for_sync(self, step: int) -> bool:
         sync = self.config.synchronizer
-        return sync.sync_style == "explorer_driven" and step % sync.sync_interval == 0
+        return sync.sync_style is SyncStyle.EXPLORER_DRIVEN and step % sync.sync_interval == 0
 
     def _wait_for_weights(self, step: int) -> int | str:
         """The weights version step E runs with, or why the loop stops.
@@ -196,7 +196,7 @@ class ExplorerLoop:
         version at its sync points and keeps the one it holds in between.
         """
         sync = self.config.synchronizer
-        keeps = sync.sync_style == "trainer_driven" and not explorer_waits_for_weights(sync)
+        keeps = sync.sync_style is SyncStyle.TRAINER_DRIVEN and not explorer_waits_for_weights(sync)
         if keeps and self._held is not None and not is_explorer_sync_point(step, sync):
             return self._held
         needed = 0

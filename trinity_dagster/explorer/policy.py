@@ -23,7 +23,7 @@ def resolve_version(paths: RunPaths, version: int | None) -> int:
     if latest is None:
         raise FileNotFoundError(
             f"no published weights under {paths.root}: create version 0 first "
-            "(trinity_dagster.explorer.initial_model.create_initial_model)"
+            "(trinity_dagster.checkpoint.initial_weights.create_initial_model)"
         )
     return latest
 

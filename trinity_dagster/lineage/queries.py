@@ -30,7 +30,7 @@ from trinity_dagster.checkpoint.layout import (
 from trinity_dagster.checkpoint.manifest import MANIFEST_FILE
 from trinity_dagster.lineage.ledger import ROLLOUTS_SCHEMA, STEPS_SCHEMA
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.records import recorded_steps
+from trinity_dagster.service_api.records import recorded_steps
 
 
 class LineageQueryError(LookupError):

@@ -23,7 +23,7 @@ from trinity_dagster.buffer.tables import open_table
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.lineage.queries import LedgerView
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.records import recorded_steps
+from trinity_dagster.service_api.records import recorded_steps
 
 EXAMPLES = 5  # offending eids or steps named per problem
 

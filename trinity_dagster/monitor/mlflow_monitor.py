@@ -17,9 +17,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.monitor.base import Monitor, scalars
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer.run_state import read_trainer_state
 
 RUN_ROOT_TAG = "trinity_dagster.run_root"
 MODEL_ARTIFACT = "model"

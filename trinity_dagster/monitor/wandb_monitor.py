@@ -11,9 +11,9 @@ from typing import Any, Literal, cast, get_args
 import wandb
 
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.monitor.base import Monitor, scalars
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer.run_state import read_trainer_state
 
 MODEL_ARTIFACT = "model"
 

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trinity_dagster import faults
 from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
 from trinity_dagster.buffer.sampler import sampler_state
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     advance_checkpoint_marker,
     checkpoint_dir,
@@ -59,21 +61,19 @@ from trinity_dagster.checkpoint.shm_weights import (
     shm_versions,
     write_shm_weights,
 )
-from trinity_dagster.config import TrinityConfig
+from trinity_dagster.config import SyncMethod, TrinityConfig
 from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import TrainEngine
-from trinity_dagster.explorer.initial_model import create_initial_model
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service import faults
 from trinity_dagster.service.progress import install_progress_hooks
-from trinity_dagster.service.protocol import BadRequestError, StepConflictError
-from trinity_dagster.service.records import (
+from trinity_dagster.service_api.protocol import BadRequestError, StepConflictError
+from trinity_dagster.service_api.records import (
     read_record,
     record_path,
     unrecorded_span,
     write_record,
 )
-from trinity_dagster.service.state import advertised_host
+from trinity_dagster.service_api.state import advertised_host
 from trinity_dagster.step_checks import sync_blockers
 from trinity_dagster.weight_sync import announce
 from trinity_dagster.weight_sync.sender import WeightSender
@@ -104,7 +104,7 @@ class EngineHost:
         version = newest_weights_version(paths, memory=self._memory_sync())
         self.last_sync_step = 0 if version is None else version
         self.weight_sender: WeightSender | None = None
-        if self.rank == 0 and config.synchronizer.sync_method == "nccl":
+        if self.rank == 0 and config.synchronizer.sync_method is SyncMethod.NCCL:
             host = config.service.host
             self.weight_sender = WeightSender(
                 host, advertised_host(host), config.synchronizer.sync_timeout
@@ -274,7 +274,7 @@ class EngineHost:
         `nccl`), packed now if the engine is at N; rank 0 announces them to explorers."""
         if self.weight_sender is not None and step in self.weight_sender.versions():
             return self._staged_info(step)
-        if self.config.synchronizer.sync_method != "nccl":
+        if self.config.synchronizer.sync_method is not SyncMethod.NCCL:
             raise BadRequestError("stage_weights needs synchronizer.sync_method nccl")
         tensors = self._weights_of(step, "stage", "are not held")
         if self.weight_sender is not None:
@@ -451,7 +451,7 @@ class EngineHost:
         return info
 
     def _memory_sync(self) -> bool:
-        return self.config.synchronizer.sync_method == "memory"
+        return self.config.synchronizer.sync_method is SyncMethod.MEMORY
 
     def _refresh_status(self) -> None:
         self._status = {

@@ -29,7 +29,6 @@ import psutil
 
 from trinity_dagster.config import ConfigError, TrinityConfig
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import EngineClient, EngineError, EngineUnreachable
 from trinity_dagster.service.processes import (
     AGENT_MODULE,
     RANK_MODULE,
@@ -39,7 +38,8 @@ from trinity_dagster.service.processes import (
     runs_rank,
     service_processes,
 )
-from trinity_dagster.service.state import (
+from trinity_dagster.service_api.client import EngineClient, EngineError, EngineUnreachable
+from trinity_dagster.service_api.state import (
     CONFIG_FILE,
     ServiceState,
     clear_state,

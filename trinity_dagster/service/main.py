@@ -24,7 +24,7 @@ from trinity_dagster.service.server import (
     rank0_loop,
     worker_loop,
 )
-from trinity_dagster.service.state import (
+from trinity_dagster.service_api.state import (
     ServiceState,
     advertised_host,
     clear_state,

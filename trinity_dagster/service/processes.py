@@ -15,7 +15,7 @@ import time
 
 import psutil
 
-from trinity_dagster.service.state import ServiceState, pid_alive
+from trinity_dagster.service_api.state import ServiceState, pid_alive
 
 AGENT_MODULE = "trinity_dagster.service.agent"
 RANK_MODULE = "trinity_dagster.service.main"

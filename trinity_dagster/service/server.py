@@ -37,7 +37,7 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
 from trinity_dagster.config import is_loopback_host
-from trinity_dagster.service.protocol import (
+from trinity_dagster.service_api.protocol import (
     TOKEN_HEADER,
     CommandError,
     SaveCheckpointRequest,
@@ -47,7 +47,7 @@ from trinity_dagster.service.protocol import (
     WeightsTransferRequest,
     error_payload,
 )
-from trinity_dagster.service.state import check_token
+from trinity_dagster.service_api.state import check_token
 
 log = logging.getLogger(__name__)
 

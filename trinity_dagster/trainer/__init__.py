@@ -1,7 +1,7 @@
 """Trinity-RFT's trainer API: `Trainer`, `TrainEngineWrapper`, `get_trainer_wrapper`,
 `CheckpointMonitor` (see docs/design.md for how each maps onto the Dagster graph)."""
 
-from trinity_dagster.trainer.checkpoint_monitor import CheckpointMonitor
+from trinity_dagster.checkpoint.markers import CheckpointMonitor
 from trinity_dagster.trainer.engine_wrapper import (
     ServiceEngineWrapper,
     TrainEngineWrapper,

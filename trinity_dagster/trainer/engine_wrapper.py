@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.client import EngineClient, EngineError, EngineUnreachable
 from trinity_dagster.service.launcher import (
     SILENT_AFTER_S,
     SilentService,
@@ -29,7 +28,8 @@ from trinity_dagster.service.launcher import (
     replace_silent,
     stop_service,
 )
-from trinity_dagster.service.state import ServiceState, read_state, read_token
+from trinity_dagster.service_api.client import EngineClient, EngineError, EngineUnreachable
+from trinity_dagster.service_api.state import ServiceState, read_state, read_token
 
 T = TypeVar("T")
 POLL_S = 0.2

@@ -13,7 +13,7 @@ The Dagster graph runs this loop in its long-lived trainer run and passes a hook
 `experience_batch[N]`, `train_step[N]` and `synced_weights[N]`; Python users call
 `asyncio.run(Trainer(config).run())` without Dagster. At each step boundary and while it
 waits for data, the loop serves the control requests of Dagster runs
-(`trinity_dagster.trainer.control`): save or sync now (or when it reaches the asked step),
+(`trinity_dagster.handoff.control`): save or sync now (or when it reaches the asked step),
 pause (end after the current step and its due saves, the engine left at that step) and stop
 (end now with the final save, as a normal end of training). After the hook, each step's metrics
 also go to the tracking backends of `monitor.backends` (`trinity_dagster.monitor`), and the
@@ -29,7 +29,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from trinity_dagster.buffer.end_of_data import end_of_data
 from trinity_dagster.buffer.sampler import PinResult, pin_batch
 from trinity_dagster.buffer.tables import has_commit_after
 from trinity_dagster.checkpoint import rules
@@ -40,17 +39,18 @@ from trinity_dagster.checkpoint.layout import (
     scan_step_dirs,
 )
 from trinity_dagster.checkpoint.publish import published_info
-from trinity_dagster.config import TrinityConfig
+from trinity_dagster.config import SyncMethod, SyncStyle, TrinityConfig
+from trinity_dagster.handoff import control
+from trinity_dagster.handoff.control import ControlRequest
+from trinity_dagster.handoff.end_of_data import end_of_data
+from trinity_dagster.handoff.sync_requests import SyncRequest, answer_requests, pending_requests
+from trinity_dagster.handoff.trainer_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer import control
-from trinity_dagster.trainer.control import ControlRequest
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
 from trinity_dagster.trainer.preview import TABLE as PREVIEW_TABLE
 from trinity_dagster.trainer.preview import RolloutPreview
-from trinity_dagster.trainer.run_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.trainer.sample_metrics import sample_metrics
-from trinity_dagster.trainer.sync_requests import SyncRequest, answer_requests, pending_requests
 from trinity_dagster.weight_sync.announce import announced_version
 
 log = logging.getLogger(__name__)
@@ -395,19 +395,11 @@ class Trainer:
         finally:
             self.monitor.close()
 
-    async def is_alive(self) -> bool:
-        """Whether the engine answers."""
-        try:
-            self.engine.prepare()
-        except Exception:
-            return False
-        return True
-
     def _publish_final_weights(self) -> None:
         """Under sync_method `memory` or `nccl`, also publish the final weights on disk, synced
         or not: versions held in memory go with the engine service, and evaluations and later
         explorers read the files (under `checkpoint` the final save published them)."""
-        in_memory = self.config.synchronizer.sync_method in ("memory", "nccl")
+        in_memory = self.config.synchronizer.sync_method in (SyncMethod.MEMORY, SyncMethod.NCCL)
         if in_memory and self.train_step_num > 0:
             self.engine.save_state_dict()
 
@@ -502,10 +494,10 @@ class Trainer:
                 )
 
     def _checkpoint_sync(self) -> bool:
-        return self.config.synchronizer.sync_method == "checkpoint"
+        return self.config.synchronizer.sync_method is SyncMethod.CHECKPOINT
 
     def _requests(self) -> list[SyncRequest]:
-        if self.config.synchronizer.sync_style != "explorer_driven":
+        if self.config.synchronizer.sync_style is not SyncStyle.EXPLORER_DRIVEN:
             return []
         return pending_requests(self.paths)
 
@@ -527,7 +519,10 @@ class Trainer:
         service that is gone (killed, restarted), and no file holds them: explorers waiting
         for them would wait forever, so they are held again."""
         step = self.train_step_num
-        if self.config.synchronizer.sync_method != "nccl" or not 0 < self.last_sync_step == step:
+        if (
+            self.config.synchronizer.sync_method is not SyncMethod.NCCL
+            or not 0 < self.last_sync_step == step
+        ):
             return False
         if announced_version(self.paths) == step:
             return False

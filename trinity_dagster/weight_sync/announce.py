@@ -15,7 +15,7 @@ from pathlib import Path
 
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.state import pid_alive, read_state
+from trinity_dagster.service_api.state import pid_alive, read_state
 
 ANNOUNCE_FILE = "collective_weights.json"
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.state import read_state, read_token
+from trinity_dagster.service_api.state import read_state, read_token
 from trinity_dagster.weight_sync.buckets import Layout, TensorSlot, checksum, tensor_view
 from trinity_dagster.weight_sync.group import (
     join_store,
@@ -56,7 +56,7 @@ def request_transfer(paths: RunPaths, version: int, receiver: str) -> dict[str, 
             f"no engine service runs for {paths.root}: weights version {version} cannot be "
             "received over the collective"
         )
-    from trinity_dagster.service.client import (  # httpx: not needed to receive
+    from trinity_dagster.service_api.client import (  # httpx: not needed to receive
         EngineClient,
         EngineError,
         EngineTimeout,

@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     latest_weights_version,
     published_weights_dir,
     set_latest_weights_version,
 )
 from trinity_dagster.config import TrinityConfig, load_config
-from trinity_dagster.explorer.initial_model import create_initial_model
-from trinity_dagster.explorer.tokenizer import CHARSET, SPECIAL_TOKENS
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tokenizer import CHARSET, SPECIAL_TOKENS
 
 SHAPES = {
     "model.hidden_size": 32,

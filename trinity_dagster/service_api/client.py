@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from trinity_dagster.service.protocol import TOKEN_HEADER
+from trinity_dagster.service_api.protocol import TOKEN_HEADER
 
 CONNECT_TIMEOUT_S = 5.0
 

@@ -25,9 +25,9 @@ from trinity_dagster.checkpoint.layout import (
     set_latest_weights_version,
 )
 from trinity_dagster.config import ModelConfig, TrinityConfig
-from trinity_dagster.explorer.tokenizer import build_tokenizer, load_tokenizer
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tokenizer import build_tokenizer, load_tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 INIT_LOCK = ".initial_model.lock"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trinity_dagster.explorer.tasks import (
+from trinity_dagster.tasks import (
     TaskSetError,
     load_jsonl_taskset,
     load_taskset,
@@ -129,7 +129,7 @@ def test_unknown_name_and_missing_file() -> None:
 
 def test_tasks_and_rewards_import_no_torch() -> None:
     code = (
-        "import sys, trinity_dagster.explorer.tasks, trinity_dagster.explorer.rewards; "
+        "import sys, trinity_dagster.tasks, trinity_dagster.explorer.rewards; "
         "print(sorted(m for m in ('torch', 'transformers', 'dagster') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from trinity_dagster.explorer.tokenizer import (
+from trinity_dagster.tokenizer import (
     BOS,
     CHARSET,
     EOS,

@@ -82,12 +82,6 @@ class BadRequestError(CommandError):
     status = 422
 
 
-class BusyError(CommandError):
-    """The engine is busy and the caller asked not to queue."""
-
-    status = 503
-
-
 def error_payload(err: BaseException, traceback_text: str) -> dict:
     """The JSON body of a failed command."""
     return {"error": str(err), "type": type(err).__name__, "traceback": traceback_text}
