@@ -24,7 +24,7 @@ from assets.partitions import (
     step_partitions,
     weights_partitions,
 )
-from assets.steps import StepPartitions, run_last_step, run_steps, step_materialization
+from assets.step_runs import StepPartitions, run_last_step, run_steps, step_materialization
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
 

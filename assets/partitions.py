@@ -4,7 +4,7 @@ the initial model, which no step trained)."""
 
 import dagster as dg
 
-from trinity_dagster.steps import step_key, step_of
+from trinity_dagster.step_keys import step_key, step_of
 
 __all__ = [
     "STEP_PARTITIONS",

@@ -47,9 +47,10 @@ from assets.partitions import (
     step_of,
     step_partitions,
 )
-from assets.steps import UNTIL_DATA_ENDS_TAG
+from assets.step_runs import UNTIL_DATA_ENDS_TAG
 from assets.weights import checkpoint_metadata, hf_metadata
 from resources.run_config import RunConfigResource
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
@@ -339,7 +340,7 @@ def checkpoint_records(
         if entry.step in asked or not instance.has_dynamic_partition(STEP_PARTITIONS, key):
             continue
         if key in recorded[CHECKPOINT] and (
-            key in recorded[SYNCED] or not (entry.path / HF_SUBDIR / "config.json").is_file()
+            key in recorded[SYNCED] or not hf_dir_written(entry.path / HF_SUBDIR)
         ):
             continue
         try:
@@ -385,7 +386,7 @@ def checkpoint_events(
         metadata = {**checkpoint_metadata(info), **checkpoint_upstream(paths, step)}
         events.append(dg.AssetMaterialization(CHECKPOINT, partition=key, metadata=metadata))
     hf_dir = ckpt / HF_SUBDIR
-    if (hf_dir / "config.json").is_file():
+    if hf_dir_written(hf_dir):
         if key not in recorded[HF_MODEL]:
             events.append(
                 dg.AssetMaterialization(HF_MODEL, partition=key, metadata=hf_metadata(hf_dir))

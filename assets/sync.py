@@ -15,7 +15,7 @@ import dagster as dg
 from assets.control import ask_trainer, request_id
 from assets.names import SYNCED, TRAIN
 from assets.partitions import step_partitions
-from assets.steps import run_steps, step_materialization
+from assets.step_runs import run_steps, step_materialization
 from assets.training import sync_metadata
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource

@@ -29,7 +29,7 @@ from assets.lineage import (
 )
 from assets.names import BATCH, SYNCED, TRAIN
 from assets.partitions import step_key, step_partitions
-from assets.steps import (
+from assets.step_runs import (
     StepPartitions,
     numeric_metadata,
     run_last_step,

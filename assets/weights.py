@@ -23,9 +23,10 @@ from assets.control import ask_trainer, request_id
 from assets.lineage import checkpoint_upstream
 from assets.names import CHECKPOINT, HF_MODEL, TRAIN
 from assets.partitions import step_partitions
-from assets.steps import run_steps, step_materialization
+from assets.step_runs import run_steps, step_materialization
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trinity_dagster.handoff import control
@@ -99,7 +100,7 @@ def save(
                 problems.append(f"step {step}: {err}")
         if HF_MODEL in selected:
             hf_dir = ckpt / HF_SUBDIR
-            if not (hf_dir / "config.json").is_file():
+            if not hf_dir_written(hf_dir):
                 convert_checkpoint(ckpt, hf_dir)
             yield step_materialization(HF_MODEL, step, hf_metadata(hf_dir))
     if CHECKPOINT in selected:

@@ -11,7 +11,7 @@ and a fresh Python process:
   materialisation (the instance's event timestamp, logged after the step's train and sync);
 - direct (the baseline): one `Explorer` (model kept loaded) in this process, then for each
   step: explore with the newest weights, `ExperienceWriter.write`, `pin_batch`, and the
-  engine service's `EngineClient.train_step(n)` and `.sync_weight(n)` (the last step is not
+  engine service's `EngineClient.train_step(n)` and `.publish_weights(n)` (the last step is not
   synced: its final save serves, as in `Trainer`); a step finishes when its calls return.
 Seconds per step in steady state = (finish of the last step - finish of the first) /
 (steps - 1); start-up = finish of the first step - start (both include starting the engine
@@ -124,7 +124,7 @@ def run_direct(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
                 marks.append(time.perf_counter())
                 due = step % sync.sync_interval == 0 and step < steps
                 if due:  # the last step's final save serves as its sync (as in Trainer)
-                    client.sync_weight(step)
+                    client.publish_weights(step)
                 marks.append(time.perf_counter())
                 finished[step] = marks[-1]
                 if step > 1:  # steady state only
@@ -209,7 +209,7 @@ def run_daemon(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
         for name in (
             "time/read_experience",
             "time/train_step_call",
-            "time/sync_weight",
+            "time/publish_weights",
             "time/step",
         )
     }

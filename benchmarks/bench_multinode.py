@@ -80,7 +80,7 @@ def _train(config: TrinityConfig, config_file: Path, steps: int) -> tuple[float,
                 t0 = time.perf_counter()
                 client.train_step(step)
                 times.append(time.perf_counter() - t0)
-            client.sync_weight(steps)
+            client.publish_weights(steps)
     finally:
         stop_service(paths)
         for process in others:

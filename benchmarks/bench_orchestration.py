@@ -6,7 +6,7 @@ and the ratio says what orchestration costs on a real step, not on a no-op one. 
 steps on the same experiences are trained three ways, each in a fresh run root and a fresh
 Python process (the code location reads its config at import), with the engine service
 started and warmed (`status`) before the clock starts:
-- direct: `EngineClient.train_step(n)` then `.sync_weight(n)` for n = 1..N, straight to the
+- direct: `EngineClient.train_step(n)` then `.publish_weights(n)` for n = 1..N, straight to the
   engine (the baseline);
 - ranged: ONE single-run-backfill run of `train_job` over steps 1..N, executed in process on
   a real SQLite instance: the `train` multi-asset runs `Trainer.train` over the range, which
@@ -16,7 +16,7 @@ started and warmed (`status`) before the clock starts:
   also in process, so a real daemon's process launch per run (~ an import of dagster and the
   code location) comes on top.
 The batches are pinned beforehand for all three, so every path trains on identical rows and
-pinning is not timed. Each step publishes its weights (sync_interval 1, the `sync_weight`
+pinning is not timed. Each step publishes its weights (sync_interval 1, the `publish_weights`
 call); no checkpoint is saved. The engine's own seconds per step (`time/train_step` +
 `time/load_batch` of the step records under `logs/steps/`) are read the same way for all
 three. The ways run in the order A B C C B A ... (`--repeats`), and the fastest run of each
@@ -145,7 +145,7 @@ def _direct(config: TrinityConfig, steps: int) -> tuple[float, float]:
         started = time.perf_counter()
         for step in range(1, steps + 1):
             client.train_step(step)
-            client.sync_weight(step)
+            client.publish_weights(step)
         seconds = time.perf_counter() - started
     return seconds, _engine_seconds(config, steps)
 

@@ -149,7 +149,7 @@ class InstanceState:
 
     def _rollouts(self, step: int) -> None:
         from assets.names import ROLLOUTS
-        from assets.steps import step_materialization
+        from assets.step_runs import step_materialization
 
         rewards = self.rng.random(ROWS)
         metadata = {
@@ -172,7 +172,7 @@ class InstanceState:
 
         from assets.lineage import INPUT_DATA_VERSION_TAG, data_version, step_upstream
         from assets.names import BATCH, SYNCED, TRAIN
-        from assets.steps import step_materialization
+        from assets.step_runs import step_materialization
         from assets.training import CHECKS, sync_metadata, train_metadata
 
         dg = self.dg

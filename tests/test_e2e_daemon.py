@@ -43,7 +43,7 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.service_api.records import read_record, recorded_steps
 from trinity_dagster.service_api.state import read_state
-from trinity_dagster.steps import step_key
+from trinity_dagster.step_keys import step_key
 
 pytestmark = pytest.mark.slow
 

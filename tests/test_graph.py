@@ -11,7 +11,7 @@ from assets.automation import build_rft_loop_sensor
 from assets.experiences import experience_schema, experiences
 from assets.explore import rollouts
 from assets.sensors import checkpoint_records, trainer_request
-from assets.steps import UNTIL_DATA_ENDS_TAG
+from assets.step_runs import UNTIL_DATA_ENDS_TAG
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource

@@ -281,7 +281,7 @@ def _train(
                 assert _listening(everything) == {"127.0.0.1"}
             metrics = [client.train_step(step)["metrics"] for step in steps]
             if steps[-1] == STEPS:
-                client.sync_weight(STEPS)
+                client.publish_weights(STEPS)
                 client.stage_weights(STEPS)  # and as an explorer on a third "machine" gets it
                 published = load_file(weights_dir(paths, STEPS) / "model.safetensors")
                 received = {name: torch.zeros_like(t) for name, t in published.items()}

@@ -18,7 +18,7 @@ from trinity_dagster.dagster_instance import instance_yaml
 from trinity_dagster.dagster_postgres_pool import PooledPostgresEventLogStorage
 from trinity_dagster.local_postgres import local_postgres
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.steps import step_key
+from trinity_dagster.step_keys import step_key
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from assets.sensors import (
 from resources.run_config import RunConfigResource
 from tests.run_helpers import tiny_config
 from trinity_dagster.checkpoint.rules import explore_steps_needed
-from trinity_dagster.steps import step_key
+from trinity_dagster.step_keys import step_key
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def test_service_trains_in_order_and_answers_status(service) -> None:
     assert client.status()["step"] == 1
 
     # sync_interval 1: step 1's weights were published as version 1
-    synced = client.sync_weight(1)
+    synced = client.publish_weights(1)
     assert synced["version"] == 1 and Path(synced["path"], "model.safetensors").is_file()
     client.train_step(2)  # save_interval 2: a full checkpoint of step 2 (in the background)
     saved = client.save_checkpoint(2, block=True)
@@ -256,7 +256,7 @@ def test_synced_weights_and_the_checkpoint_export_are_the_same_hf_directory(serv
     """Explorers get the same files, config and tensors by a sync as from a checkpoint."""
     config, client = service
     client.train_step(1)
-    synced = Path(client.sync_weight(1)["path"])
+    synced = Path(client.publish_weights(1)["path"])
     client.save_checkpoint(1, block=True, hf=True)
     exported = checkpoint_dir(RunPaths.of(config.run_root), 1) / "huggingface"
     names = sorted(p.name for p in synced.iterdir())

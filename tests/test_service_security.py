@@ -135,8 +135,8 @@ def test_only_json_bodies_are_accepted() -> None:
         ("/train_step", 0, f"1..{MAX_STEP}"),
         ("/train_step", MAX_STEP + 1, f"1..{MAX_STEP}"),
         ("/save_checkpoint", 10**30, f"1..{MAX_STEP}"),
-        ("/sync_weight", 10**300, f"0..{MAX_STEP}"),
-        ("/sync_weight", -1, f"0..{MAX_STEP}"),
+        ("/publish_weights", 10**300, f"0..{MAX_STEP}"),
+        ("/publish_weights", -1, f"0..{MAX_STEP}"),
     ],
 )
 def test_steps_outside_the_range_are_refused_by_name(path: str, step: int, allowed: str) -> None:
@@ -147,7 +147,7 @@ def test_steps_outside_the_range_are_refused_by_name(path: str, step: int, allow
 
 
 @pytest.mark.parametrize(
-    "path", ["/train_step", "/save_checkpoint", "/sync_weight", "/upload_weights"]
+    "path", ["/train_step", "/save_checkpoint", "/publish_weights", "/upload_weights"]
 )
 @pytest.mark.parametrize("step", [True, False, "1", 1.0], ids=["true", "false", "text", "float"])
 def test_a_step_that_is_not_a_json_integer_is_refused_by_name(path: str, step: object) -> None:
@@ -170,12 +170,12 @@ def test_the_client_sends_every_step_as_a_json_integer() -> None:
     client._client = httpx.Client(base_url="http://engine", transport=httpx.MockTransport(record))
     client.train_step(3)
     client.save_checkpoint(3, block=False, hf=True)
-    client.sync_weight(3)
+    client.publish_weights(3)
     client.upload_weights(3)
     assert [path for path, _ in sent] == [
         "/train_step",
         "/save_checkpoint",
-        "/sync_weight",
+        "/publish_weights",
         "/upload_weights",
     ]
     for path, body in sent:

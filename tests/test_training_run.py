@@ -291,7 +291,7 @@ def test_run_says_once_that_training_is_paused(
 ) -> None:
     config, _ = tiny_config(tmp_path, {"trainer": {"total_steps": 4}})
     paths = RunPaths.of_config(config)
-    monkeypatch.setattr(training_run, "POLL_S", 0.05)
+    monkeypatch.setattr(training_run, "PROGRESS_POLL_S", 0.05)
     write_trainer_state(paths, "paused", 2, "paused by request r1.pause.now at step 2")
     polls = {"n": 0}
 
@@ -314,7 +314,7 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
 ) -> None:
     # a signal handled inside a garbage-collector callback: Python drops the handler's raise
     config, _ = tiny_config(tmp_path, {"trainer": {"total_steps": 4}})
-    monkeypatch.setattr(training_run, "POLL_S", 0.05)
+    monkeypatch.setattr(training_run, "PROGRESS_POLL_S", 0.05)
 
     class Collected:
         pass

@@ -43,6 +43,21 @@ TOKENIZER_FILES = (
 _DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
+def hf_dir_written(directory: Path) -> bool:
+    """Whether `write_hf_dir` finished writing `directory`: its `config.json` comes last."""
+    return (directory / CONFIG_FILE).is_file()
+
+
+def is_complete_hf_dir(directory: Path) -> bool:
+    """Whether `directory`, from anywhere, holds an HF model whole: a config, safetensors
+    weights and a tokenizer."""
+    return (
+        (directory / CONFIG_FILE).is_file()
+        and any(directory.glob("*.safetensors"))
+        and (directory / "tokenizer_config.json").is_file()
+    )
+
+
 def write_hf_dir(
     out_dir: Path,
     tensors: Mapping[str, Tensor],

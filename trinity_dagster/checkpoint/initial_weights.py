@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
+from trinity_dagster.checkpoint.hf_dir import is_complete_hf_dir
 from trinity_dagster.checkpoint.layout import (
     discard_dir,
     latest_weights_version,
@@ -31,15 +32,6 @@ from trinity_dagster.tokenizer import build_tokenizer, load_tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 INIT_LOCK = ".initial_model.lock"
-
-
-def is_complete_hf_dir(directory: Path) -> bool:
-    """True if `directory` holds a config, safetensors weights and a tokenizer."""
-    return (
-        (directory / "config.json").is_file()
-        and any(directory.glob("*.safetensors"))
-        and (directory / "tokenizer_config.json").is_file()
-    )
 
 
 def create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:

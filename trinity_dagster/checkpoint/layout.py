@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.files import fsync_dir, write_text_atomic
 from trinity_dagster.paths import RunPaths
 
@@ -63,10 +64,10 @@ def published_weights_dir(paths: RunPaths, step: int) -> Path:
 def weights_dir(paths: RunPaths, version: int) -> Path:
     """The HF directory holding weights `version`: published, or a checkpoint's HF export."""
     published = published_weights_dir(paths, version)
-    if (published / "config.json").is_file():
+    if hf_dir_written(published):
         return published
     exported = checkpoint_dir(paths, version) / HF_SUBDIR
-    if (exported / "config.json").is_file():
+    if hf_dir_written(exported):
         return exported
     raise FileNotFoundError(
         f"no weights of version {version}: neither {published} nor {exported} holds a config.json"
@@ -130,7 +131,7 @@ def weights_versions_on_disk(paths: RunPaths) -> list[int]:
     versions |= {
         e.step
         for e in scan_step_dirs(paths.checkpoints)
-        if e.kind == "final" and (e.path / HF_SUBDIR / "config.json").is_file()
+        if e.kind == "final" and hf_dir_written(e.path / HF_SUBDIR)
     }
     return sorted(versions)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     checkpoint_dir,
@@ -159,7 +160,7 @@ class CheckpointManager:
         self._helper: ThreadPoolExecutor | None = None
         self._retention: Future[Any] | None = None
         self._hashed: set[Path] = set()  # installed by this manager from the files it wrote
-        self.monitor = CheckpointMonitor(paths)
+        self.markers = CheckpointMonitor(paths)
 
     # --- saving ----------------------------------------------------------------------
     def save(
@@ -202,14 +203,14 @@ class CheckpointManager:
             sampler_state=dict(sampler_state or {}),
         )
         if self.writer:
-            self.monitor.register_thread_count(
+            self.markers.register_thread_count(
                 step,
                 checkpoint_thread_count=1,
                 state_dict_thread_count=1 if serves_as_sync else 0,
             )
-            self.monitor.notify_started(step)
+            self.markers.notify_started(step)
             if serves_as_sync:
-                self.monitor.notify_started(step, is_state_dict=True)
+                self.markers.notify_started(step, is_state_dict=True)
         if self._already_complete(ticket):
             log.info("checkpoint %s is already complete; not saving it again", ticket.directory)
             if self.writer:
@@ -241,9 +242,7 @@ class CheckpointManager:
     @staticmethod
     def _satisfies(directory: Path, ticket: SaveTicket) -> bool:
         """Whether `directory` is a complete checkpoint with everything `ticket` asks for."""
-        return is_complete(directory) and (
-            not ticket.hf or (directory / HF_SUBDIR / "config.json").is_file()
-        )
+        return is_complete(directory) and (not ticket.hf or hf_dir_written(directory / HF_SUBDIR))
 
     def is_pending(self, step: int) -> bool:
         """Whether a save of `step` was started and is not finalized yet."""
@@ -369,10 +368,10 @@ class CheckpointManager:
         Retention is safe to run beside training and other processes (see `retention`); its
         error is raised by a later `poll()` or by `wait_all()`, which waits for it.
         """
-        self.monitor.notify_finished(ticket.step)
+        self.markers.notify_finished(ticket.step)
         if ticket.serves_as_sync:
             checkpoint_sync_dir(self.paths, ticket.step)
-            self.monitor.notify_finished(ticket.step, is_state_dict=True)
+            self.markers.notify_finished(ticket.step, is_state_dict=True)
         self._check_retention(block=True)
         self._retention = self._helper_thread().submit(
             prune_checkpoints,

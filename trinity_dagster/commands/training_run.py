@@ -31,13 +31,13 @@ from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
 from trinity_dagster.handoff.end_of_data import clear_end_of_data
 from trinity_dagster.handoff.trainer_state import read_trainer_state, state_path
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.steps import step_key
+from trinity_dagster.step_keys import step_key
 
 if TYPE_CHECKING:
     import psutil
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-POLL_S = 1.0
+PROGRESS_POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
 LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
 LINEAGE_CHECK = ("train_step", "trained_exactly_once")  # assets/lineage.py
@@ -379,6 +379,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         print("trinity-dagster: extending a run that had stopped early", flush=True)
     import dagster as dg
 
+    from trinity_dagster.checkpoint.hf_dir import hf_dir_written
     from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
     from trinity_dagster.checkpoint.rules import sft_model_step
 
@@ -415,7 +416,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         "rollout_reward": {str(step): reward for step, reward in rollouts},
         "trained_exactly_once": lineage,
         "final_checkpoint": str(final_ckpt) if final_ckpt else None,
-        "hf_model": str(hf_model) if hf_model and (hf_model / "config.json").is_file() else None,
+        "hf_model": str(hf_model) if hf_model and hf_dir_written(hf_model) else None,
         "dagster_home": str(paths.dagster_home),
         "dagster_dev": dagster_dev_command(config, config_file, workspace_file),
         "seconds": round(time.perf_counter() - started, 1),
@@ -560,4 +561,4 @@ def _watch(
             lineage = progress.lineage_check(state.updated_at)
             if lineage is not None and all(meta is not None for meta in scored.values()):
                 return final, {v: meta for v, meta in scored.items() if meta is not None}, lineage
-        time.sleep(POLL_S)
+        time.sleep(PROGRESS_POLL_S)

@@ -27,7 +27,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue, save_sharded
 from trinity_dagster.files import write_text_atomic
 
-STATE_FILE = "engine_state.json"
+ENGINE_STATE_FILE = "engine_state.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
@@ -90,14 +90,14 @@ def save_engine_state(
     if rank == 0:
         (ckpt_dir / DIST_DIR).mkdir(parents=True, exist_ok=True)
         (ckpt_dir / RNG_DIR).mkdir(parents=True, exist_ok=True)
-        (ckpt_dir / STATE_FILE).unlink(missing_ok=True)
+        (ckpt_dir / ENGINE_STATE_FILE).unlink(missing_ok=True)
     dist.barrier()
     torch.save(capture_rng_state(), _rng_file(ckpt_dir, rank))
 
     def write_marker() -> None:
         if dist.get_rank() == 0:
             meta = {"format": FORMAT_VERSION, "step": step, "layout": layout.__dict__}
-            write_text_atomic(ckpt_dir / STATE_FILE, json.dumps(meta, indent=2))
+            write_text_atomic(ckpt_dir / ENGINE_STATE_FILE, json.dumps(meta, indent=2))
         dist.barrier()
 
     return save_sharded(sharded_state_dict, ckpt_dir / DIST_DIR, queue=queue, finalize=write_marker)
@@ -105,10 +105,10 @@ def save_engine_state(
 
 def read_engine_state(ckpt_dir: Path) -> dict[str, Any]:
     """The metadata of a complete state directory; EngineStateError if it is not one."""
-    marker = Path(ckpt_dir) / STATE_FILE
+    marker = Path(ckpt_dir) / ENGINE_STATE_FILE
     if not marker.is_file():
         raise EngineStateError(
-            f"{ckpt_dir} is not a complete engine state: {STATE_FILE} is missing "
+            f"{ckpt_dir} is not a complete engine state: {ENGINE_STATE_FILE} is missing "
             "(the save never finished, or this is not a state directory)"
         )
     meta = json.loads(marker.read_text())

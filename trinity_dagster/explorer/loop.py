@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 # between looks for new weights: a few file reads, so 5 ms costs ~1% of a core and keeps
 # the hand-off from the trainer within a few ms (bench daemon)
-POLL_S = 0.005
+WEIGHTS_POLL_S = 0.005
 RECEIVE_TRIES = 3
 ALREADY_IN_TABLE = "already in the experiences table"
 
@@ -248,7 +248,7 @@ class ExplorerLoop:
                     f"{what}; none came within synchronizer.sync_timeout "
                     f"({self.config.synchronizer.sync_timeout:g} s)"
                 )
-            time.sleep(POLL_S)
+            time.sleep(WEIGHTS_POLL_S)
         return ""
 
     def _finished_now(self, step: int) -> bool:

@@ -28,7 +28,7 @@ from trinity_dagster.paths import RunPaths
 
 Action = Literal["save", "sync", "pause", "stop"]
 ACTIONS: tuple[Action, ...] = get_args(Action)
-POLL_S = 0.2
+ANSWER_POLL_S = 0.2
 # how long an ended loop may take from its final state to its answer: the due save and sync
 # requests of its last step are served in between
 CLAIMED_GRACE_S = 60.0
@@ -168,7 +168,7 @@ def wait_for_answer(
             raise TimeoutError(
                 f"the trainer loop did not answer {request.describe()} within {timeout_s:.0f} s"
             )
-        time.sleep(POLL_S)
+        time.sleep(ANSWER_POLL_S)
 
 
 def _claimed_answer(
@@ -179,7 +179,7 @@ def _claimed_answer(
     while (found := read_answer(paths, request.request_id)) is None:
         if time.monotonic() > deadline:
             return None
-        time.sleep(POLL_S)
+        time.sleep(ANSWER_POLL_S)
     return found
 
 

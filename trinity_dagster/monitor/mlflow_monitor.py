@@ -16,6 +16,7 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.monitor.base import Monitor, scalars
@@ -87,7 +88,7 @@ class MlflowMonitor(Monitor):
 
     def log_final_model(self, hf_dir: Path) -> None:
         """Log the HF directory as the run's artifact `model`."""
-        if not (hf_dir / "config.json").is_file():
+        if not hf_dir_written(hf_dir):
             raise FileNotFoundError(f"no final HF model to log: {hf_dir} has no config.json")
         self._client.log_artifacts(self.run_id, str(hf_dir), artifact_path=MODEL_ARTIFACT)
 

@@ -10,6 +10,7 @@ from typing import Any, Literal, cast, get_args
 
 import wandb
 
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.monitor.base import Monitor, scalars
@@ -73,7 +74,7 @@ class WandbMonitor(Monitor):
 
     def log_final_model(self, hf_dir: Path) -> None:
         """Log the HF directory as the run's model artifact `model`."""
-        if not (hf_dir / "config.json").is_file():
+        if not hf_dir_written(hf_dir):
             raise FileNotFoundError(f"no final HF model to log: {hf_dir} has no config.json")
         artifact = wandb.Artifact(MODEL_ARTIFACT, type="model")
         artifact.add_dir(str(hf_dir))

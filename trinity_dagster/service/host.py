@@ -9,14 +9,14 @@ Order rules for `train_step(N)` with the engine at step S:
 - N > S + 1: allowed only if steps S+1..N-1 were trained before (their records exist, as
   after a crash and a restart from an older checkpoint): they are replayed from their pinned
   batches first and reported in `replayed`; otherwise refused, naming the steps.
-`save_checkpoint(N)`, `sync_weight(N)`, `upload_weights(N)` and `stage_weights(N)` with
+`save_checkpoint(N)`, `publish_weights(N)`, `upload_weights(N)` and `stage_weights(N)` with
 nothing of step N on disk (or held) and the engine behind N replay the recorded steps up to N
 the same way first, so a command repeated after a crash gives the result it would have given
 without it.
 Training a step does not save or sync: the trainer loop (`trinity_dagster.trainer.Trainer`)
-decides that and sends `save_checkpoint` and `sync_weight` for the step the engine is at.
+decides that and sends `save_checkpoint` and `publish_weights` for the step the engine is at.
 A step's record lists the health problems (`step_checks`) that keep its weights from
-explorers; `sync_weight` refuses such a step, and so does a save that would serve as the sync.
+explorers; `publish_weights` refuses such a step, and so does a save that would serve as the sync.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ import torch.distributed as dist
 from trinity_dagster import faults
 from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
 from trinity_dagster.buffer.sampler import sampler_state
+from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
+    HF_SUBDIR,
     advance_checkpoint_marker,
     checkpoint_dir,
     latest_weights_version,
@@ -172,7 +174,7 @@ class EngineHost:
         handlers = {
             "train_step": self.train_step,
             "save_checkpoint": self.save_checkpoint,
-            "sync_weight": self.sync_weight,
+            "publish_weights": self.publish_weights,
             "upload_weights": self.upload_weights,
             "stage_weights": self.stage_weights,
         }
@@ -218,7 +220,7 @@ class EngineHost:
             complete = True
         except CorruptCheckpointError:
             complete = False
-        has_hf = (ckpt / "huggingface" / "config.json").is_file()
+        has_hf = hf_dir_written(ckpt / HF_SUBDIR)
         if complete and (has_hf or not (hf or serves_as_sync) or self.engine.step != step):
             if serves_as_sync and has_hf and self.last_sync_step < step:
                 self._record_sync_from_checkpoint(step)
@@ -236,7 +238,7 @@ class EngineHost:
             self.last_sync_step = step  # published when the save completes
         return self._checkpoint_info(step, pending=not block)
 
-    def sync_weight(self, step: int) -> dict[str, Any]:
+    def publish_weights(self, step: int) -> dict[str, Any]:
         """Make sure weights version N are published (written now if the engine is at N).
 
         A complete checkpoint of N with an HF export serves as the published version.
@@ -329,7 +331,7 @@ class EngineHost:
         """Move the weights marker to version N, whose files exist: sync-only weights whose
         publish a crash interrupted before the marker, or a checkpoint's HF export."""
         if self.rank == 0:
-            if (published_weights_dir(self.paths, step) / "config.json").is_file():
+            if hf_dir_written(published_weights_dir(self.paths, step)):
                 advance_weights_marker(self.paths, step)
             else:
                 record_sync_from_checkpoint(self.paths, step)
@@ -421,7 +423,7 @@ class EngineHost:
                 size_bytes=sum(entry.size for entry in manifest.files),
                 manifest_sha256=manifest.digest(),
                 files=len(manifest.files),
-                has_hf=(ckpt / "huggingface" / "config.json").is_file(),
+                has_hf=hf_dir_written(ckpt / HF_SUBDIR),
             )
         return info
 

@@ -42,8 +42,8 @@ from trinity_dagster.service_api.protocol import (
     CommandError,
     SaveCheckpointRequest,
     StepConflictError,
-    SyncWeightRequest,
     TrainStepRequest,
+    WeightsStepRequest,
     WeightsTransferRequest,
     error_payload,
 )
@@ -205,16 +205,16 @@ def build_app(
     def save_checkpoint(req: SaveCheckpointRequest) -> dict[str, Any]:
         return run("save_checkpoint", req.model_dump())
 
-    @app.post("/sync_weight")
-    def sync_weight(req: SyncWeightRequest) -> dict[str, Any]:
-        return run("sync_weight", req.model_dump())
+    @app.post("/publish_weights")
+    def publish_weights(req: WeightsStepRequest) -> dict[str, Any]:
+        return run("publish_weights", req.model_dump())
 
     @app.post("/upload_weights")
-    def upload_weights(req: SyncWeightRequest) -> dict[str, Any]:
+    def upload_weights(req: WeightsStepRequest) -> dict[str, Any]:
         return run("upload_weights", req.model_dump())
 
     @app.post("/stage_weights")
-    def stage_weights(req: SyncWeightRequest) -> dict[str, Any]:
+    def stage_weights(req: WeightsStepRequest) -> dict[str, Any]:
         return run("stage_weights", req.model_dump())
 
     @app.post("/weights/transfer")

@@ -96,9 +96,9 @@ class EngineClient:
         body = {"step": step, "block": block, "hf": hf, "serves_as_sync": serves_as_sync}
         return self._call("POST", "/save_checkpoint", body)
 
-    def sync_weight(self, step: int) -> dict[str, Any]:
+    def publish_weights(self, step: int) -> dict[str, Any]:
         """Make sure the weights of step N are published to explorers."""
-        return self._call("POST", "/sync_weight", {"step": step})
+        return self._call("POST", "/publish_weights", {"step": step})
 
     def upload_weights(self, step: int) -> dict[str, Any]:
         """Make sure the weights of step N are in shared memory for local explorers."""

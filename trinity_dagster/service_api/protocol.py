@@ -47,8 +47,9 @@ class SaveCheckpointRequest(_Request):
     )
 
 
-class SyncWeightRequest(_Request):
-    """Make sure the weights of step N are published to explorers."""
+class WeightsStepRequest(_Request):
+    """A weights step N: publish it on disk, upload it to shared memory, or stage it for
+    collective transfers."""
 
     step: WeightsStep
 

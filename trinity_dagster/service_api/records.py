@@ -15,7 +15,7 @@ from typing import Any
 
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.steps import step_key
+from trinity_dagster.step_keys import step_key
 
 RECORDS_DIR = "steps"
 _RECORD_NAME = re.compile(r"step_(\d+)\.json")

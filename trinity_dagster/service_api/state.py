@@ -21,7 +21,7 @@ from trinity_dagster.files import PRIVATE_MODE, write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 TOKEN_FILE = "token"
-STATE_FILE = "state.json"
+SERVICE_STATE_FILE = "state.json"
 CONFIG_FILE = "config.yaml"
 MIN_TOKEN_CHARS = 32
 
@@ -110,13 +110,13 @@ def advertised_host(bind_host: str) -> str:
 def write_state(paths: RunPaths, state: ServiceState) -> None:
     """Publish the running service's address atomically."""
     text = json.dumps(asdict(state), indent=1)
-    write_text_atomic(paths.service / STATE_FILE, text, mode=PRIVATE_MODE)
+    write_text_atomic(paths.service / SERVICE_STATE_FILE, text, mode=PRIVATE_MODE)
 
 
 def read_state(paths: RunPaths) -> ServiceState | None:
     """The last published service state, or None."""
     try:
-        data = json.loads((paths.service / STATE_FILE).read_text())
+        data = json.loads((paths.service / SERVICE_STATE_FILE).read_text())
     except FileNotFoundError:
         return None
     except json.JSONDecodeError:
@@ -131,7 +131,7 @@ def clear_state(paths: RunPaths, pid: int | None = None) -> None:
     """Remove the state file (only if it still names `pid`, when given)."""
     current = read_state(paths)
     if current is not None and (pid is None or current.pid == pid):
-        (paths.service / STATE_FILE).unlink(missing_ok=True)
+        (paths.service / SERVICE_STATE_FILE).unlink(missing_ok=True)
 
 
 def pid_alive(pid: int) -> bool:

@@ -32,7 +32,7 @@ from trinity_dagster.service_api.client import EngineClient, EngineError, Engine
 from trinity_dagster.service_api.state import ServiceState, read_state, read_token
 
 T = TypeVar("T")
-POLL_S = 0.2
+PENDING_POLL_S = 0.2
 log = logging.getLogger(__name__)
 
 
@@ -162,7 +162,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
 
     def save_state_dict(self) -> dict[str, Any]:
         step = self._step
-        info = self._call(lambda c: c.sync_weight(step))
+        info = self._call(lambda c: c.publish_weights(step))
         self._last_sync_step = step
         return info
 
@@ -197,7 +197,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
 
     def publish(self, step: int) -> dict[str, Any]:
         """Make sure weights version `step` are published (waiting for a save serving as it)."""
-        return self._until_done(lambda c: c.sync_weight(step))
+        return self._until_done(lambda c: c.publish_weights(step))
 
     def close(self) -> None:
         if self._client is not None:
@@ -274,7 +274,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
                 return result
             if time.monotonic() > deadline:
                 raise TimeoutError(f"still pending after service.request_timeout_s: {result}")
-            time.sleep(POLL_S)
+            time.sleep(PENDING_POLL_S)
 
 
 def _plain(call: Callable[[EngineClient], T], client: EngineClient) -> T:

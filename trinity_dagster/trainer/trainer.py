@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 # between looks for new experiences: a few stats, so 5 ms costs ~1% of a core and keeps
 # the hand-off from the explorers within a few ms (bench daemon)
-POLL_S = 0.005
+BATCH_POLL_S = 0.005
 
 
 class SyncWithheldError(RuntimeError):
@@ -300,7 +300,7 @@ class Trainer:
             self._wait_metrics.update(await self._serve_sync())  # waiting explorers go on
             if self._serve_control() is not None:
                 raise _Halted
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(BATCH_POLL_S)
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
         """Train the step `batch` is pinned to; returns its metrics."""
