@@ -112,6 +112,11 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
         ),
         ({"buffers": {}}, "buffers", "unknown key"),
         (
+            {"megatron": {"pipeline_model_parallel_size": 2, "data_parallel_size": 1}},
+            "megatron.pipeline_model_parallel_size",
+            "the train engine has no pipeline schedule yet",
+        ),
+        (
             {"dagster": {"sensor_interval_s": 4}},
             "dagster.sensor_interval_s",
             "at least 5: Dagster's sensor daemon evaluates sensors at most every 5 s",

@@ -692,6 +692,13 @@ class TrinityConfig(_Section):
                 f"(buffer.train_batch_size {self.buffer.train_batch_size} / "
                 f"megatron.data_parallel_size {self.megatron.data_parallel_size})",
             )
+        if self.megatron.pipeline_model_parallel_size > 1:
+            raise _at(
+                "megatron.pipeline_model_parallel_size",
+                f"{self.megatron.pipeline_model_parallel_size}: the train engine has no "
+                "pipeline schedule yet (only HF import and export run under pipeline "
+                "parallelism); use tensor_model_parallel_size or data_parallel_size",
+            )
         if self.trainer.sequence_packing and self.megatron.sequence_parallel:
             raise _at(
                 "trainer.sequence_packing",

@@ -79,10 +79,6 @@ class TrainEngine:
         `load_weights=False` builds the model from `hf_dir`'s config only, for a state that
         `load_state` restores next (e.g. converting a checkpoint).
         """
-        if config.megatron.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                "megatron.pipeline_model_parallel_size > 1 is not supported by TrainEngine yet"
-            )
         self.config = config
         self.hf_dir = Path(hf_dir)
         config_file = self.hf_dir / "config.json"
