@@ -27,12 +27,11 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from tests.net_support import free_port
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.checkpoint.layout import weights_dir
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
+from trinity_dagster.testing import fill_buffer, free_port, pin_steps, tiny_config
 
 NODES = 2
 JOIN = [sys.executable, "-m", "trinity_dagster.cli", "engine", "join"]

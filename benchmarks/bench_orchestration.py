@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.run_helpers import pin_steps, tiny_config
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
 from trinity_dagster.service_api.records import read_record
+from trinity_dagster.testing import pin_steps, tiny_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODULE = "benchmarks.bench_orchestration"

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
+from trinity_dagster.testing import fill_buffer, pin_steps, tiny_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

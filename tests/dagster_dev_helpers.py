@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from tests.net_support import free_port
 from trinity_dagster.config import CONFIG_ENV_VAR
+from trinity_dagster.testing import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))

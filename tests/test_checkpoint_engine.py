@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tests.engine_workers.train_common import make_hf_dir
-from tests.net_support import free_port
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -26,6 +25,7 @@ from trinity_dagster.checkpoint.layout import (
 from trinity_dagster.checkpoint.manager import latest_complete
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,6 @@ import yaml
 from deltalake import DeltaTable
 
 from tests.dagster_dev_helpers import REPO_ROOT, DagsterDev
-from tests.run_helpers import TINY, merge
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -44,6 +43,7 @@ from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.service_api.records import read_record, recorded_steps
 from trinity_dagster.service_api.state import read_state
 from trinity_dagster.step_keys import step_key
+from trinity_dagster.testing import TINY, merge
 
 pytestmark = pytest.mark.slow
 

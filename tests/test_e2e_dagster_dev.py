@@ -40,7 +40,6 @@ from tests.dagster_dev_helpers import (
     expect_type,
     processes_with_env,
 )
-from tests.run_helpers import fill_buffer, tiny_config
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir, latest_weights_version
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.config import TrinityConfig, load_config
@@ -48,6 +47,7 @@ from trinity_dagster.dagster_instance import instance_yaml
 from trinity_dagster.handoff.trainer_state import STOPPED, read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import find_service, stop_service
+from trinity_dagster.testing import fill_buffer, tiny_config
 from trinity_dagster.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,6 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from tests.net_support import free_port
 from trinity_dagster.config import MegatronConfig
 from trinity_dagster.engine.hf_weights import _full_hf, _local_shard, _qkv_interleave, _Slot
 from trinity_dagster.engine.model import (
@@ -41,6 +40,7 @@ from trinity_dagster.engine.model import (
 )
 from trinity_dagster.engine.packing import Packing
 from trinity_dagster.engine.sdpa_attention import SDPAttention
+from trinity_dagster.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "engine_workers"

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tests.engine_workers.train_common import make_batch, make_config, make_hf_dir
-from tests.net_support import free_port
 from trinity_dagster.engine.batch_check import BatchError, check_batch
 from trinity_dagster.engine.state import EngineStateError, read_engine_state
+from trinity_dagster.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 METRIC_NAMES = {

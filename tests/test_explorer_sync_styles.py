@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_helpers import tiny_config
 from trinity_dagster.explorer.loop import ExplorerLoop
+from trinity_dagster.testing import tiny_config
 
 
 class Published:

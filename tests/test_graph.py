@@ -16,7 +16,6 @@ from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
-from tests.run_helpers import fill_buffer, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir, set_latest_weights_version
 from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
 from trinity_dagster.commands.training_run import metadata_values
@@ -24,6 +23,7 @@ from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.testing import fill_buffer, tiny_config
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"

@@ -21,11 +21,11 @@ import pytest
 import yaml
 
 from tests.dagster_dev_helpers import processes_with_env
-from tests.run_helpers import TINY, merge
 from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.testing import TINY, merge
 
 pytestmark = pytest.mark.slow
 

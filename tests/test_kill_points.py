@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import fill_buffer, merge, tiny_config
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
@@ -36,6 +35,7 @@ from trinity_dagster.faults import ENV, fired_path
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.testing import fill_buffer, merge, tiny_config
 from trinity_dagster.trainer.engine_wrapper import ServiceEngineWrapper
 from trinity_dagster.trainer.trainer import Trainer, TrainerHook
 

@@ -24,7 +24,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2 as pb
 
 import tests.run_helpers as run_helpers
-from tests.run_helpers import fill_buffer, tiny_config
 from tests.test_trainer_loop import FakeEngine, RecordingHook
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
@@ -33,6 +32,7 @@ from trinity_dagster.monitor import Monitor, MonitorError, MonitorGroup
 from trinity_dagster.monitor.base import markdown_table
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
+from trinity_dagster.testing import fill_buffer, tiny_config
 from trinity_dagster.tokenizer import build_tokenizer
 from trinity_dagster.trainer import SyncWithheldError, Trainer
 from trinity_dagster.trainer.preview import TABLE as PREVIEW

@@ -17,8 +17,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.net_support import free_port
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.checkpoint.layout import weights_dir
 from trinity_dagster.cli import main as cli_main
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict, load_config
@@ -39,6 +37,7 @@ from trinity_dagster.service_api.state import (
     read_state,
     write_state,
 )
+from trinity_dagster.testing import fill_buffer, free_port, pin_steps, tiny_config
 from trinity_dagster.weight_sync.receiver import receive_weights
 
 TWO_NODES = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}

@@ -12,13 +12,13 @@ import yaml
 from dagster_postgres.run_storage.run_storage import PostgresRunStorage
 
 from assets.sensors import RANGE_END, RANGE_START
-from tests.run_helpers import tiny_config
 from trinity_dagster.config import ConfigError
 from trinity_dagster.dagster_instance import instance_yaml
 from trinity_dagster.dagster_postgres_pool import PooledPostgresEventLogStorage
 from trinity_dagster.local_postgres import local_postgres
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
+from trinity_dagster.testing import tiny_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,6 @@ from assets.partitions import step_key
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from tests.checkpoint_support import TinyProvider, damage_checksum_only
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.buffer.maintenance import clean_logs
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
@@ -38,6 +37,7 @@ from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import fill_buffer, pin_steps, tiny_config
 
 TESTED = {"delta_maintenance", "checkpoint_retention", "evaluate_newest_checkpoint"}
 TICK_TIME = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)

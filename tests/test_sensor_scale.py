@@ -17,9 +17,9 @@ from assets.sensors import (
     trainer_request,
 )
 from resources.run_config import RunConfigResource
-from tests.run_helpers import tiny_config
 from trinity_dagster.checkpoint.rules import explore_steps_needed
 from trinity_dagster.step_keys import step_key
+from trinity_dagster.testing import tiny_config
 
 
 @pytest.fixture

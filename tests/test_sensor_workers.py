@@ -18,7 +18,6 @@ from dagster._core.test_utils import instance_for_test
 
 from assets.sensors import end_hung_explorer, explorer_request, worker_gone
 from resources.run_config import RunConfigResource
-from tests.run_helpers import tiny_config
 from trinity_dagster.handoff.heartbeat import (
     BUILTIN_EXPLORER_ID,
     Heartbeat,
@@ -26,6 +25,7 @@ from trinity_dagster.handoff.heartbeat import (
     seconds_since_beat,
 )
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import tiny_config
 
 ELSEWHERE = {"run_launcher": {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}}
 

@@ -16,7 +16,6 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.run_helpers import fill_buffer, pin_steps, tiny_config
 from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step, weights_dir
 from trinity_dagster.checkpoint.manifest import read_manifest, verify_checkpoint
 from trinity_dagster.faults import ENV as FAULT_ENV
@@ -32,6 +31,7 @@ from trinity_dagster.service_api.state import (
     token_path,
     write_state,
 )
+from trinity_dagster.testing import fill_buffer, pin_steps, tiny_config
 
 
 def final_weights(config) -> dict:

@@ -22,7 +22,6 @@ import httpx
 import psutil
 import pytest
 
-from tests.run_helpers import tiny_config
 from trinity_dagster.cli import main as cli_main
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
@@ -39,6 +38,7 @@ from trinity_dagster.service_api.state import (
     read_token,
     token_path,
 )
+from trinity_dagster.testing import tiny_config
 
 TOKEN = "t" * MIN_TOKEN_CHARS
 CHUNK = 64 * 1024

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import tiny_config, train_beside_explorer
+from tests.run_helpers import train_beside_explorer
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
@@ -26,6 +26,7 @@ from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service_api.client import EngineClient
 from trinity_dagster.service_api.state import ServiceState, read_state, read_token, write_state
+from trinity_dagster.testing import tiny_config
 from trinity_dagster.weight_sync import announce, receiver
 from trinity_dagster.weight_sync.buckets import pack
 from trinity_dagster.weight_sync.receiver import WeightSyncError, receive_described

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import tiny_config, train_beside_explorer
+from tests.run_helpers import train_beside_explorer
 from trinity_dagster.checkpoint import shm_weights
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (
@@ -34,6 +34,7 @@ from trinity_dagster.config import ConfigError, TrinityConfig, check_inputs
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import tiny_config
 
 MEMORY = {"synchronizer": {"sync_method": "memory"}, "explorer": {"tasks_per_step": 2}}
 

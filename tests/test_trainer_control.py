@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from tests.run_helpers import fill_buffer
 from tests.test_trainer_loop import (
     FakeEngine,
     RecordingHook,
@@ -29,6 +28,7 @@ from trinity_dagster.handoff import control
 from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.trainer_state import STOPPED, read_trainer_state
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import fill_buffer
 from trinity_dagster.trainer import Trainer
 
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-import tests.run_helpers as run_helpers
-from tests.run_helpers import fill_buffer, tiny_config
+import trinity_dagster.testing as testing
 from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.sync_requests import is_answered, pending_requests, request_sync
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import fill_buffer, tiny_config
 from trinity_dagster.trainer import SyncWithheldError, TrainEngineWrapper, Trainer, TrainerHook
 
 Event = tuple[Any, ...]
@@ -32,7 +32,7 @@ Event = tuple[Any, ...]
 @pytest.fixture(autouse=True)
 def _no_initial_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Synthetic experiences need only a vocabulary size, not the tiny torch model."""
-    monkeypatch.setattr(run_helpers, "vocab_size", lambda config: 96)
+    monkeypatch.setattr(testing, "vocab_size", lambda config: 96)
 
 
 class PublishFailed(RuntimeError):
@@ -315,12 +315,12 @@ def test_each_step_logs_trinitys_sample_and_sync_interval_metrics(tmp_path: Path
 
     config = make_config(tmp_path, total_steps=3, sync_interval=1, read_timeout_s=5.0)
     groups = 3 * config.buffer.train_batch_size // config.algorithm.repeat_times
-    rows = run_helpers.synthetic_rows(config, groups, seed=0)
+    rows = testing.synthetic_rows(config, groups, seed=0)
     for row in rows:  # two groups per task, versions 0..2 across groups
         group = int(row["group_id"].rsplit("-", 1)[1])
         row["task_id"], row["model_version"] = f"t{group // 2}", group % 3
     assert ExperienceWriter(config).write(rows).quarantined == 0
-    run_helpers.pin_steps(config, range(1, 2))  # step 1 was pinned before this run
+    testing.pin_steps(config, range(1, 2))  # step 1 was pinned before this run
     hook = RecordingHook()
 
     run_trainer(Trainer(config, engine=FakeEngine(), hook=hook))

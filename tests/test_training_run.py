@@ -16,7 +16,6 @@ import pytest
 
 import trinity_dagster.commands.training_run as training_run
 from tests.dagster_dev_helpers import REPO_ROOT, processes_with_env
-from tests.run_helpers import tiny_config
 from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.commands.training_run import (
     accuracy_lines,
@@ -36,6 +35,7 @@ from trinity_dagster.handoff.trainer_state import read_trainer_state, write_trai
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
 from trinity_dagster.service_api.state import CONFIG_FILE, read_state
+from trinity_dagster.testing import tiny_config
 
 
 def test_a_run_that_stopped_early_is_extended_and_a_complete_one_is_kept(
