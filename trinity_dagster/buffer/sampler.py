@@ -18,13 +18,14 @@ import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from trinity_dagster.buffer.quarantine import QuarantineRecord, append_quarantine
-from trinity_dagster.buffer.scan import PendingScan
+from trinity_dagster.buffer.scan import PendingScan, ScanChunk
 from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_NAMES, TIMESTAMP
 from trinity_dagster.buffer.state import SamplerState
 from trinity_dagster.buffer.strategies import (
     BASE_COLUMNS,
     SampleContext,
     Selection,
+    Strategy,
     get_strategy,
 )
 from trinity_dagster.buffer.tables import (
@@ -190,98 +191,14 @@ def pin_batch(
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
     paths = RunPaths.of_config(config)
-    strategy = get_strategy(config.buffer.sample_strategy)
-    version_now = step - 1 if current_version is None else current_version
-
-    def attempt() -> tuple[PinResult | PinShortfall, list[QuarantineRecord]]:
-        """One try: the pin (or the shortfall) and the stale rows the pin drops."""
-        batches = open_or_create(paths.batches, BATCH_SCHEMA)
-        around = _step_rows(batches, [step - 1, step], ["step", "sampler_state"])
-        known = around.column("step").to_pylist()
-        if step in known:
-            return _existing(batches, step), []
-        if step > 1 and step - 1 not in known:
-            raise PinOrderError(
-                f"cannot pin step {step}: step {step - 1} is not pinned (steps are pinned in order)"
-            )
-        state = (
-            SamplerState.from_json(around.column("sampler_state")[known.index(step - 1)].as_py())
-            if step > 1
-            else SamplerState()
-        )
-        experiences = open_table(paths.experiences)
-        need = config.buffer.train_batch_size
-        if experiences is None:
-            return PinShortfall(have=0, need=need), []
-        source_version = experiences.version()
-        context = SampleContext(config=config, current_version=version_now)
-        selection, chunk = Selection(), None
-        done = pa.array(state.done, pa.string())
-        scan = PendingScan(experiences, state.watermark, BASE_COLUMNS + list(strategy.columns))
-        for chunk in scan.chunks():
-            if strategy.full_scan and not chunk.exhausted:
-                continue
-            pending = chunk.rows.filter(pc.invert(pc.is_in(chunk.rows.column("eid"), done)))
-            selection = strategy.select(pending, context)
-            if selection.train:
-                break
-        if not selection.train or chunk is None:
-            return PinShortfall(selection.eligible_rows, need, source_version), []
-        new_state = _advance(
-            state,
-            step,
-            source_version,
-            chunk.rows,
-            chunk.boundary,
-            selection,
-            config.buffer.reuse_limit,
-        )
-        dropped = [eid for eid, _ in selection.dropped]
-        chosen = selection.train + dropped
-        rows = scan.read_rows(chosen)
-        n = rows.num_rows
-        kinds = ["train"] * len(selection.train) + ["stale"] * len(dropped)
-        extra = {
-            "step": pa.array([step] * n, pa.int64()),
-            "position": pa.array(range(n), pa.int32()),
-            "kind": pa.array(kinds, pa.string()),
-            "source_version": pa.array([source_version] * n, pa.int64()),
-            "strategy": pa.array([strategy.name] * n, pa.string()),
-            "sampler_state": pa.array([new_state.to_json()] * n, pa.string()),
-            "pinned_at": pa.array([dt.datetime.now(dt.UTC)] * n, TIMESTAMP),
-        }
-        data = pa.Table.from_arrays(
-            [rows.column(c) for c in EXPERIENCE_NAMES] + list(extra.values()), schema=BATCH_SCHEMA
-        )
-        write_deltalake(
-            batches,
-            data,
-            mode="append",
-            writer_properties=writer_properties(),
-            commit_properties=CommitProperties(
-                max_commit_retries=0, custom_metadata={PIN_STEP_KEY: str(step)}
-            ),
-        )
-        pinned = PinResult(
-            step=step,
-            eids=selection.train,
-            source_version=source_version,
-            strategy=strategy.name,
-            state=new_state,
-            dropped=dropped,
-            already_pinned=False,
-            rows=rows.slice(0, len(selection.train)).select(list(EXPERIENCE_NAMES)),
-            batch_version=batches.version(),
-        )
-        stale = [
-            QuarantineRecord(eid, "model_version", reason, row_to_json(row))
-            for (eid, reason), row in zip(
-                selection.dropped, rows.slice(len(selection.train)).to_pylist(), strict=True
-            )
-        ]
-        return pinned, stale
-
-    result, stale = retry_commits(attempt, config.buffer.writer_max_retries, f"pin of step {step}")
+    context = SampleContext(
+        config=config, current_version=step - 1 if current_version is None else current_version
+    )
+    result, stale = retry_commits(
+        lambda: _pin_once(paths, step, context),
+        config.buffer.writer_max_retries,
+        f"pin of step {step}",
+    )
     append_quarantine(
         paths.quarantine,
         stale,
@@ -292,3 +209,117 @@ def pin_batch(
     if isinstance(result, PinShortfall) and force:
         raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
     return result
+
+
+def _pin_once(
+    paths: RunPaths, step: int, context: SampleContext
+) -> tuple[PinResult | PinShortfall, list[QuarantineRecord]]:
+    """One try at pinning `step`: the pin (or the rows already pinned, or the shortfall), and
+    the stale rows the pin drops. A commit conflict raises for `retry_commits`."""
+    batches = open_or_create(paths.batches, BATCH_SCHEMA)
+    around = _step_rows(batches, [step - 1, step], ["step", "sampler_state"])
+    known = around.column("step").to_pylist()
+    if step in known:
+        return _existing(batches, step), []
+    if step > 1 and step - 1 not in known:
+        raise PinOrderError(
+            f"cannot pin step {step}: step {step - 1} is not pinned (steps are pinned in order)"
+        )
+    state = (
+        SamplerState.from_json(around.column("sampler_state")[known.index(step - 1)].as_py())
+        if step > 1
+        else SamplerState()
+    )
+    experiences = open_table(paths.experiences)
+    if experiences is None:
+        return PinShortfall(have=0, need=context.config.buffer.train_batch_size), []
+    strategy = get_strategy(context.config.buffer.sample_strategy)
+    source_version = experiences.version()
+    scan = PendingScan(experiences, state.watermark, BASE_COLUMNS + list(strategy.columns))
+    selection, chunk = _select(scan, state, strategy, context)
+    if not selection.train or chunk is None:
+        need = context.config.buffer.train_batch_size
+        return PinShortfall(selection.eligible_rows, need, source_version), []
+    new_state = _advance(
+        state,
+        step,
+        source_version,
+        chunk.rows,
+        chunk.boundary,
+        selection,
+        context.config.buffer.reuse_limit,
+    )
+    dropped = [eid for eid, _ in selection.dropped]
+    rows = scan.read_rows(selection.train + dropped)
+    _append_pin(batches, step, rows, len(selection.train), source_version, strategy, new_state)
+    pinned = PinResult(
+        step=step,
+        eids=selection.train,
+        source_version=source_version,
+        strategy=strategy.name,
+        state=new_state,
+        dropped=dropped,
+        already_pinned=False,
+        rows=rows.slice(0, len(selection.train)).select(list(EXPERIENCE_NAMES)),
+        batch_version=batches.version(),
+    )
+    stale = [
+        QuarantineRecord(eid, "model_version", reason, row_to_json(row))
+        for (eid, reason), row in zip(
+            selection.dropped, rows.slice(len(selection.train)).to_pylist(), strict=True
+        )
+    ]
+    return pinned, stale
+
+
+def _select(
+    scan: PendingScan, state: SamplerState, strategy: Strategy, context: SampleContext
+) -> tuple[Selection, ScanChunk | None]:
+    """The strategy's selection from the pending rows past the pins of `state`, chunk by
+    chunk until one gives a batch (a full-scan strategy sees every pending row at once), and
+    the chunk it came from."""
+    selection, chunk = Selection(), None
+    done = pa.array(state.done, pa.string())
+    for chunk in scan.chunks():
+        if strategy.full_scan and not chunk.exhausted:
+            continue
+        pending = chunk.rows.filter(pc.invert(pc.is_in(chunk.rows.column("eid"), done)))
+        selection = strategy.select(pending, context)
+        if selection.train:
+            break
+    return selection, chunk
+
+
+def _append_pin(
+    batches: DeltaTable,
+    step: int,
+    rows: pa.Table,
+    trained: int,
+    source_version: int,
+    strategy: Strategy,
+    state: SamplerState,
+) -> None:
+    """Commit `rows` as step `step` of `batches`: the first `trained` to train on, the rest
+    dropped as stale, each with the sampler state after the pin."""
+    n = rows.num_rows
+    extra = {
+        "step": pa.array([step] * n, pa.int64()),
+        "position": pa.array(range(n), pa.int32()),
+        "kind": pa.array(["train"] * trained + ["stale"] * (n - trained), pa.string()),
+        "source_version": pa.array([source_version] * n, pa.int64()),
+        "strategy": pa.array([strategy.name] * n, pa.string()),
+        "sampler_state": pa.array([state.to_json()] * n, pa.string()),
+        "pinned_at": pa.array([dt.datetime.now(dt.UTC)] * n, TIMESTAMP),
+    }
+    data = pa.Table.from_arrays(
+        [rows.column(c) for c in EXPERIENCE_NAMES] + list(extra.values()), schema=BATCH_SCHEMA
+    )
+    write_deltalake(
+        batches,
+        data,
+        mode="append",
+        writer_properties=writer_properties(),
+        commit_properties=CommitProperties(
+            max_commit_retries=0, custom_metadata={PIN_STEP_KEY: str(step)}
+        ),
+    )
