@@ -9,13 +9,14 @@ from assets.lineage import lineage_check_job
 from assets.maintenance import checkpoint_retention_job, delta_maintenance_job
 from assets.sensors import evaluate_rft_loop
 from trinity_dagster.config import DagsterConfig
+from trinity_dagster.graph_names import LOOP_SENSOR
 
 
 def build_rft_loop_sensor(settings: DagsterConfig) -> dg.SensorDefinition:
     """`rft_loop_sensor` as the daemon runs it: every `settings.sensor_interval_s`, on at
     load when `settings.sensors_running`."""
     return dg.sensor(
-        name="rft_loop_sensor",
+        name=LOOP_SENSOR,
         jobs=[train_job, rollouts_job, evaluation_job, lineage_check_job, delta_maintenance_job],
         minimum_interval_seconds=settings.sensor_interval_s,
         default_status=(

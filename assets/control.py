@@ -19,10 +19,10 @@ from typing import Any
 
 import dagster as dg
 
-from assets.names import ROLLOUTS, TRAIN
 from assets.partitions import STEP_PARTITIONS, step_of
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
+from trinity_dagster.graph_names import ROLLOUTS, TRAIN
 from trinity_dagster.handoff import control
 from trinity_dagster.handoff.control import Action
 from trinity_dagster.handoff.trainer_state import (

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 import dagster as dg
 
-from assets.names import EVALUATION, ROLLOUTS
 from assets.partitions import (
     WEIGHTS_PARTITIONS,
     step_key,
@@ -27,6 +26,7 @@ from assets.partitions import (
 from assets.step_runs import StepPartitions, run_last_step, run_steps, step_materialization
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
+from trinity_dagster.graph_names import EVALUATION, ROLLOUTS, SYNCED
 
 
 @dg.multi_asset(
@@ -67,7 +67,7 @@ def rollouts(
 @dg.asset(
     name=EVALUATION,
     partitions_def=weights_partitions,
-    deps=[dg.AssetDep("synced_weights", partition_mapping=dg.IdentityPartitionMapping())],
+    deps=[dg.AssetDep(SYNCED, partition_mapping=dg.IdentityPartitionMapping())],
     group_name="evaluation",
     kinds={"transformers"},
     description="Held-out accuracy of weights version N (greedy decoding).",

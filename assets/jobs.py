@@ -3,27 +3,39 @@
 
 import dagster as dg
 
+from trinity_dagster.graph_names import (
+    BATCH,
+    CHECKPOINT,
+    EVALUATION,
+    EVALUATION_JOB,
+    HF_MODEL,
+    ROLLOUTS,
+    ROLLOUTS_JOB,
+    TRAIN,
+    TRAIN_JOB,
+)
+
 train_job = dg.define_asset_job(
-    "train_job",
-    selection=["experience_batch", "train_step"],
+    TRAIN_JOB,
+    selection=[BATCH, TRAIN],
     executor_def=dg.in_process_executor,
     description="The trainer loop over a range of steps: pin, train, sync and save as due.",
 )
 save_job = dg.define_asset_job(
     "save_job",
-    selection=["checkpoint", "hf_model"],
+    selection=[CHECKPOINT, HF_MODEL],
     executor_def=dg.in_process_executor,
     description="Write (or record) the full checkpoint of step N and its HF export.",
 )
 rollouts_job = dg.define_asset_job(
-    "rollouts_job",
-    selection=["rollouts"],
+    ROLLOUTS_JOB,
+    selection=[ROLLOUTS],
     executor_def=dg.in_process_executor,
     description="The built-in explorer loop over a range of explore steps.",
 )
 evaluation_job = dg.define_asset_job(
-    "evaluation_job",
-    selection=["evaluation"],
+    EVALUATION_JOB,
+    selection=[EVALUATION],
     executor_def=dg.in_process_executor,
     description="Evaluate weights version N on the held-out task set.",
 )

@@ -18,15 +18,20 @@ from typing import Any
 
 import dagster as dg
 
-from assets.names import BATCH, SYNCED, TRAIN
 from assets.partitions import step_key
 from resources.run_config import RunConfigResource
+from trinity_dagster.graph_names import (
+    BATCH,
+    LINEAGE_CHECK_JOB,
+    SYNCED,
+    TRAIN,
+    TRAINED_EXACTLY_ONCE,
+)
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.lineage.queries import LedgerView, checkpoint_lineage
 from trinity_dagster.lineage.verify import verify_trained_once
 from trinity_dagster.paths import RunPaths
 
-TRAINED_EXACTLY_ONCE = "trained_exactly_once"
 # the event tags Dagster reads an asset event's data version and its inputs' from
 DATA_VERSION_TAG = "dagster/data_version"
 INPUT_DATA_VERSION_TAG = "dagster/input_data_version/{}"
@@ -109,7 +114,7 @@ def trained_exactly_once(run_config: RunConfigResource) -> dg.AssetCheckResult:
 
 
 lineage_check_job = dg.define_asset_job(
-    "lineage_check_job",
+    LINEAGE_CHECK_JOB,
     selection=dg.AssetSelection.checks(trained_exactly_once),
     executor_def=dg.in_process_executor,
     description="Run trained_exactly_once over the whole run.",

@@ -37,9 +37,8 @@ import psutil
 from assets.control import run_of_request
 from assets.explore import weights_partitions
 from assets.jobs import evaluation_job, rollouts_job, train_job
-from assets.lineage import TRAINED_EXACTLY_ONCE, checkpoint_upstream, lineage_check_job
+from assets.lineage import checkpoint_upstream, lineage_check_job
 from assets.maintenance import delta_maintenance_job
-from assets.names import CHECKPOINT, EVALUATION, HF_MODEL, ROLLOUTS, SYNCED, TRAIN
 from assets.partitions import (
     STEP_PARTITIONS,
     WEIGHTS_PARTITIONS,
@@ -47,7 +46,6 @@ from assets.partitions import (
     step_of,
     step_partitions,
 )
-from assets.step_runs import UNTIL_DATA_ENDS_TAG
 from assets.weights import checkpoint_metadata, hf_metadata
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.hf_dir import hf_dir_written
@@ -62,6 +60,18 @@ from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_c
 from trinity_dagster.checkpoint.rules import explore_steps_needed
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
+from trinity_dagster.graph_names import (
+    CHECKPOINT,
+    EVALUATION,
+    FINISHED_TAG,
+    HF_MODEL,
+    MAINTAINED_TAG,
+    ROLLOUTS,
+    SYNCED,
+    TRAIN,
+    TRAINED_EXACTLY_ONCE,
+    UNTIL_DATA_ENDS_TAG,
+)
 from trinity_dagster.handoff import control
 from trinity_dagster.handoff.end_of_data import end_of_data
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
@@ -70,8 +80,6 @@ from trinity_dagster.handoff.trainer_state import TrainerState, read_trainer_sta
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 MAX_ATTEMPTS = 3
-FINISHED_TAG = "trinity/training_finished"  # step@time of the end a lineage check is for
-MAINTAINED_TAG = "trinity/maintenance_at_step"  # the train step a maintenance run was for
 WORKER_PID = re.compile(r"Started process for run \(pid: (\d+)\)")
 BUSY = (
     dg.DagsterRunStatus.QUEUED,

@@ -17,8 +17,7 @@ from typing import Any
 import dagster as dg
 
 from assets.partitions import STEP_PARTITIONS, step_key, step_of
-
-UNTIL_DATA_ENDS_TAG = "trinity/until_data_ends"
+from trinity_dagster.graph_names import UNTIL_DATA_ENDS_TAG
 
 
 def run_steps(context: dg.AssetExecutionContext) -> list[int]:

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import dagster as dg
 
 from assets.control import ask_trainer, request_id
-from assets.names import SYNCED, TRAIN
 from assets.partitions import step_partitions
 from assets.step_runs import run_steps, step_materialization
 from assets.training import sync_metadata
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.publish import published_info
+from trinity_dagster.graph_names import SYNCED, TRAIN
 from trinity_dagster.handoff import control
 
 

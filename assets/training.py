@@ -27,7 +27,6 @@ from assets.lineage import (
     data_version,
     step_upstream,
 )
-from assets.names import BATCH, SYNCED, TRAIN
 from assets.partitions import step_key, step_partitions
 from assets.step_runs import (
     StepPartitions,
@@ -41,6 +40,7 @@ from resources.run_config import RunConfigResource
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.sampler import PinResult, PinShortfall, pin_batch
 from trinity_dagster.checkpoint.layout import latest_weights_version
+from trinity_dagster.graph_names import BATCH, SYNCED, TRAIN
 from trinity_dagster.lineage.queries import counts_by
 from trinity_dagster.monitor.base import markdown_table
 from trinity_dagster.service_api.records import read_record

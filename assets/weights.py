@@ -21,7 +21,6 @@ import dagster as dg
 
 from assets.control import ask_trainer, request_id
 from assets.lineage import checkpoint_upstream
-from assets.names import CHECKPOINT, HF_MODEL, TRAIN
 from assets.partitions import step_partitions
 from assets.step_runs import run_steps, step_materialization
 from resources.engine import EngineResource
@@ -29,6 +28,7 @@ from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
+from trinity_dagster.graph_names import CHECKPOINT, HF_MODEL, TRAIN
 from trinity_dagster.handoff import control
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from trinity_dagster.commands.training_run import metadata_values
 from trinity_dagster.config import TrinityConfig, load_config
+from trinity_dagster.graph_names import TRAIN
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.service_api.records import read_record
@@ -160,7 +161,7 @@ def train_metadata(instance: Any) -> dict[int, dict[str, Any]]:
     """The metadata of each step's `train_step` materialisation, as plain values."""
     import dagster as dg
 
-    records = instance.fetch_materializations(dg.AssetKey("train_step"), limit=10_000).records
+    records = instance.fetch_materializations(dg.AssetKey(TRAIN), limit=10_000).records
     return {
         int(r.asset_materialization.partition): metadata_values(r.asset_materialization)
         for r in records
@@ -187,7 +188,7 @@ def run_daemon(root: Path, steps: int, save_interval: int) -> dict[str, Any]:
     import dagster as dg
 
     instance = dg.DagsterInstance.get()  # DAGSTER_HOME set by run_training
-    trained = step_times(instance, "train_step")
+    trained = step_times(instance, TRAIN)
     explored = step_times(instance, "rollouts")
     assert sorted(trained) == list(range(1, steps + 1)), f"trained steps {sorted(trained)}"
     figures = per_step(trained, started)

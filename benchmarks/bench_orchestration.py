@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.graph_names import LOOP_SENSOR, TRAIN, TRAIN_JOB
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import connect, stop_service
 from trinity_dagster.service_api.records import read_record
@@ -162,7 +163,7 @@ def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, fl
     instance = dg.DagsterInstance.get()
     keys = [step_key(step) for step in range(1, steps + 1)]
     instance.add_dynamic_partitions(step_partitions.name, keys)
-    job = defs.resolve_job_def("train_job")
+    job = defs.resolve_job_def(TRAIN_JOB)
     started = time.perf_counter()
     if ranged:
         result = job.execute_in_process(
@@ -175,11 +176,11 @@ def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, fl
         assert result.success
     else:
         for key in keys:
-            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": "rft_loop_sensor"}
+            tags = {"dagster/run_key": f"train:{key}", "dagster/sensor_name": LOOP_SENSOR}
             result = job.execute_in_process(instance=instance, partition_key=key, tags=tags)
             assert result.success
     seconds = time.perf_counter() - started
-    events = instance.fetch_materializations(dg.AssetKey("train_step"), limit=steps + 1).records
+    events = instance.fetch_materializations(dg.AssetKey(TRAIN), limit=steps + 1).records
     trained = sorted(record.asset_materialization.partition for record in events)
     assert trained == keys, f"trained partitions {trained} != {keys}"
     return seconds, _engine_seconds(config, steps)

@@ -30,6 +30,7 @@ from typing import Any
 
 from benchmarks.bench_daemon import run_isolated, step_times, train_metadata
 from trinity_dagster.config import load_config
+from trinity_dagster.graph_names import TRAIN
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.service_api.records import read_record
@@ -85,7 +86,7 @@ def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str,
     import dagster as dg
 
     instance = dg.DagsterInstance.get()  # DAGSTER_HOME set by run_training
-    trained = step_times(instance, "train_step")
+    trained = step_times(instance, TRAIN)
     assert sorted(trained) == list(range(1, total + 1)), f"trained steps {sorted(trained)}"
     steady = list(range(sft_steps + 2, total + 1))  # GRPO steps with a GRPO step before them
     walls = [

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from trinity_dagster.config import TrinityConfig, load_config
+from trinity_dagster.graph_names import ROLLOUTS_JOB, TRAIN_JOB
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROWS, PROMPT, RESPONSE, GROUP = 256, 24, 8, 8
@@ -105,7 +106,7 @@ class InstanceState:
     def _event(self, run: str, event_type: Any, data: Any = None, step_key: str = "train") -> None:
         from dagster._core.events import DagsterEvent
 
-        job = "train_job" if run == "train" else "rollouts_job"
+        job = TRAIN_JOB if run == "train" else ROLLOUTS_JOB
         event = DagsterEvent(
             event_type_value=event_type.value,
             job_name=job,
@@ -133,7 +134,7 @@ class InstanceState:
         keys = [step_key(s) for s in range(first, last + 1)]
         self.instance.add_dynamic_partitions(STEP_PARTITIONS, keys)
         tags = {RANGE_START: keys[0], RANGE_END: keys[-1]}
-        for run, job in (("train", "train_job"), ("explore", "rollouts_job")):
+        for run, job in (("train", TRAIN_JOB), ("explore", ROLLOUTS_JOB)):
             # Dagster logs the run's planned materialisations (one per partition) here
             created = self.instance.create_run_for_job(
                 job_def=self.jobs[job], tags=tags, status=dg.DagsterRunStatus.NOT_STARTED
@@ -148,8 +149,8 @@ class InstanceState:
         self._event(run, DagsterEventType.ASSET_MATERIALIZATION, data)
 
     def _rollouts(self, step: int) -> None:
-        from assets.names import ROLLOUTS
         from assets.step_runs import step_materialization
+        from trinity_dagster.graph_names import ROLLOUTS
 
         rewards = self.rng.random(ROWS)
         metadata = {
@@ -171,9 +172,9 @@ class InstanceState:
         from dagster._core.events import DagsterEventType
 
         from assets.lineage import INPUT_DATA_VERSION_TAG, data_version, step_upstream
-        from assets.names import BATCH, SYNCED, TRAIN
         from assets.step_runs import step_materialization
         from assets.training import CHECKS, sync_metadata, train_metadata
+        from trinity_dagster.graph_names import BATCH, SYNCED, TRAIN
 
         dg = self.dg
         digest = f"{self.rng.integers(2**63):016x}"
@@ -222,9 +223,9 @@ class InstanceState:
     def _checkpoint(self, step: int) -> None:
         """The sensor's runless records of a background checkpoint and its HF export."""
         from assets.lineage import partition_url, weights_table
-        from assets.names import CHECKPOINT, HF_MODEL, TRAIN
         from assets.partitions import step_key
         from assets.weights import checkpoint_metadata
+        from trinity_dagster.graph_names import CHECKPOINT, HF_MODEL, TRAIN
 
         dg = self.dg
         info = {

@@ -11,7 +11,6 @@ from assets.automation import build_rft_loop_sensor
 from assets.experiences import experience_schema, experiences
 from assets.explore import rollouts
 from assets.sensors import checkpoint_records, trainer_request
-from assets.step_runs import UNTIL_DATA_ENDS_TAG
 from assets.training import train
 from assets.weights import save
 from resources.engine import EngineResource
@@ -19,6 +18,7 @@ from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import checkpoint_dir, set_latest_weights_version
 from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
 from trinity_dagster.commands.training_run import metadata_values
+from trinity_dagster.graph_names import UNTIL_DATA_ENDS_TAG
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
 from trinity_dagster.paths import RunPaths

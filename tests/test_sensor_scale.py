@@ -9,7 +9,6 @@ import pytest
 
 from assets.maintenance import delta_maintenance_job
 from assets.sensors import (
-    MAINTAINED_TAG,
     RANGE_END,
     RANGE_START,
     explorer_request,
@@ -18,6 +17,7 @@ from assets.sensors import (
 )
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.rules import explore_steps_needed
+from trinity_dagster.graph_names import MAINTAINED_TAG
 from trinity_dagster.step_keys import step_key
 from trinity_dagster.testing import tiny_config
 

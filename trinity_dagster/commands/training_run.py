@@ -28,6 +28,13 @@ from typing import TYPE_CHECKING, Any
 from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig, check_inputs, start_fresh
 from trinity_dagster.dagster_instance import WILL_RETRY_TAG, write_instance_yaml
+from trinity_dagster.graph_names import (
+    EVALUATION,
+    LOOP_SENSOR,
+    ROLLOUTS,
+    TRAIN,
+    TRAINED_EXACTLY_ONCE,
+)
 from trinity_dagster.handoff.end_of_data import clear_end_of_data
 from trinity_dagster.handoff.trainer_state import read_trainer_state, state_path
 from trinity_dagster.paths import RunPaths
@@ -39,8 +46,6 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROGRESS_POLL_S = 1.0
 FAILURE_REASON = "dagster/failure_reason"
-LOOP_SENSOR = "rft_loop_sensor"  # assets/sensors.py
-LINEAGE_CHECK = ("train_step", "trained_exactly_once")  # assets/lineage.py
 FAILED_TICKS = 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -206,7 +211,7 @@ class Progress:
         self.instance = instance
         self.config = config
         self.paths = RunPaths.of_config(config)
-        self.cursors: dict[str, str | None] = {"rollouts": None, "train_step": None}
+        self.cursors: dict[str, str | None] = {ROLLOUTS: None, TRAIN: None}
         self.reported_failures: set[str] = set()
         self.reported_retries: set[str] = set()
 
@@ -245,7 +250,7 @@ class Progress:
 
     def _line(self, asset: str, step: int, meta: dict[str, Any]) -> str:
         head = f"[{step:>3}/{self.config.trainer.total_steps or '?'}]"
-        if asset == "rollouts":
+        if asset == ROLLOUTS:
             kind = "demonstrations" if meta.get("demonstrations") else "rollouts"
             return (
                 f"{head} explore  {kind}: reward {meta.get('reward_mean', float('nan')):.3f}, "
@@ -314,7 +319,7 @@ class Progress:
         dg = self.dg
         key = step_key(version)
         records = self.instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("evaluation"), asset_partitions=[key]),
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(EVALUATION), asset_partitions=[key]),
             limit=1,
         ).records
         if not records or records[0].asset_materialization is None:
@@ -325,7 +330,7 @@ class Progress:
         """`passed` and the metadata of the newest `trained_exactly_once` evaluation made
         after `since` (a time), once there is one."""
         dg = self.dg
-        key = dg.AssetCheckKey(dg.AssetKey(LINEAGE_CHECK[0]), LINEAGE_CHECK[1])
+        key = dg.AssetCheckKey(dg.AssetKey(TRAIN), TRAINED_EXACTLY_ONCE)
         found = self.instance.event_log_storage.get_latest_asset_check_execution_by_key([key])
         record = found.get(key)
         if record is None or record.create_timestamp < since or record.event is None:
@@ -338,7 +343,7 @@ class Progress:
     def rollout_rewards(self) -> list[tuple[int, float, bool]]:
         """(explore step, mean reward, demonstrations?) of every rollouts partition, by step."""
         records = self.instance.fetch_materializations(
-            self.dg.AssetKey("rollouts"), limit=10_000
+            self.dg.AssetKey(ROLLOUTS), limit=10_000
         ).records
         latest: dict[int, tuple[float, bool]] = {}
         for record in sorted(records, key=lambda r: r.storage_id):
@@ -414,7 +419,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         **rise,
         **accuracy,
         "rollout_reward": {str(step): reward for step, reward in rollouts},
-        "trained_exactly_once": lineage,
+        TRAINED_EXACTLY_ONCE: lineage,
         "final_checkpoint": str(final_ckpt) if final_ckpt else None,
         "hf_model": str(hf_model) if hf_model and hf_dir_written(hf_model) else None,
         "dagster_home": str(paths.dagster_home),
