@@ -34,7 +34,7 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from trinity_dagster.commands.training_run import metadata_values
+from trinity_dagster.commands.instance_progress import metadata_values
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.graph_names import TRAIN
 from trinity_dagster.paths import RunPaths

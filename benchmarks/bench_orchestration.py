@@ -152,7 +152,7 @@ def _direct(config: TrinityConfig, steps: int) -> tuple[float, float]:
 
 
 def _dagster(config: TrinityConfig, steps: int, ranged: bool) -> tuple[float, float]:
-    from trinity_dagster.commands.training_run import prepare_instance
+    from trinity_dagster.commands.daemon_control import prepare_instance
 
     prepare_instance(config)
     import dagster as dg

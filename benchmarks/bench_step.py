@@ -48,7 +48,7 @@ def _median(values: list[float]) -> float | None:
 def _rollout_metadata(instance: Any) -> dict[int, dict[str, Any]]:
     import dagster as dg
 
-    from trinity_dagster.commands.training_run import metadata_values
+    from trinity_dagster.commands.instance_progress import metadata_values
 
     records = instance.fetch_materializations(dg.AssetKey("rollouts"), limit=10_000).records
     found: dict[int, dict[str, Any]] = {}

@@ -17,7 +17,7 @@ from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import checkpoint_dir, set_latest_weights_version
 from trinity_dagster.checkpoint.manifest import build_manifest, write_manifest
-from trinity_dagster.commands.training_run import metadata_values
+from trinity_dagster.commands.instance_progress import metadata_values
 from trinity_dagster.graph_names import UNTIL_DATA_ENDS_TAG
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state

@@ -16,18 +16,21 @@ import pytest
 
 import trinity_dagster.commands.training_run as training_run
 from tests.dagster_dev_helpers import REPO_ROOT, processes_with_env
-from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
-from trinity_dagster.commands.training_run import (
-    accuracy_lines,
+from trinity_dagster.commands import daemon_control
+from trinity_dagster.commands.daemon_control import (
     engine_processes,
-    extend_finished_run,
     find_workspace,
-    held_out_accuracy,
-    reward_line,
-    rollout_reward_rise,
     stop_run,
     stop_signals_raise,
 )
+from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
+from trinity_dagster.commands.run_summary import (
+    accuracy_lines,
+    held_out_accuracy,
+    reward_line,
+    rollout_reward_rise,
+)
+from trinity_dagster.commands.training_run import extend_finished_run
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 from trinity_dagster.handoff.end_of_data import end_of_data, mark_end_of_data
@@ -327,7 +330,7 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
 
     with stop_signals_raise():
         thing = Collected()
-        weakref.finalize(thing, training_run._raise_stopped, signal.SIGTERM, None)
+        weakref.finalize(thing, daemon_control._raise_stopped, signal.SIGTERM, None)
         del thing
         with pytest.raises(StoppedBySignal) as stopped:
             training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]

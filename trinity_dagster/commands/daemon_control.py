@@ -1,0 +1,154 @@
+"""What `trinity-dagster run` starts and stops: the run's instance settings, `dagster-daemon
+run` on the workspace, the engine service's processes, and the stop signals that end them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
+from trinity_dagster.config import CONFIG_ENV_VAR, TrinityConfig
+from trinity_dagster.dagster_instance import write_instance_yaml
+from trinity_dagster.paths import RunPaths
+
+if TYPE_CHECKING:
+    import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def ignore_stop_signals() -> None:
+    """From here on SIGINT and SIGTERM do nothing (so that they cannot cut a cleanup short)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+# The stop signal received within `stop_signals_raise`: Python ignores an exception raised in
+# a garbage-collector callback, so a handler's raise can be lost, and the watch loop raises it.
+_received: list[int] = []
+
+
+def _raise_stopped(signum: int, frame: Any) -> None:
+    """The handler of SIGINT and SIGTERM within `stop_signals_raise`."""
+    ignore_stop_signals()
+    _received.append(signum)
+    raise StoppedBySignal(signum)
+
+
+def raise_if_stopped() -> None:
+    """Raise `StoppedBySignal` for a stop signal received whose handler's raise was lost."""
+    if _received:
+        raise StoppedBySignal(_received[0])
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Within: the first SIGINT or SIGTERM raises `StoppedBySignal`, later ones are ignored;
+    the handlers from before come back at the end."""
+    _received.clear()
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _received.clear()
+
+
+def find_workspace(workspace: str | Path | None) -> Path:
+    """The `workspace.yaml` that loads the code location (given, in the cwd, or the repo's)."""
+    candidates = [Path(workspace)] if workspace else [Path.cwd() / "workspace.yaml"]
+    if workspace is None:
+        candidates.append(REPO_ROOT / "workspace.yaml")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise TrainingRunError(
+        f"no Dagster workspace at {', '.join(str(c) for c in candidates)}: run from the "
+        "trinity-dagster repository root or pass --workspace PATH/workspace.yaml"
+    )
+
+
+def prepare_instance(config: TrinityConfig) -> Path:
+    """Write the run's config and instance settings; point this process's Dagster at them."""
+    paths = RunPaths.of_config(config)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    config_file = paths.root / "config.yaml"
+    config_file.write_text(config.to_yaml())
+    write_instance_yaml(paths.dagster_home, config.dagster.postgres_url, replace=True)
+    os.environ[CONFIG_ENV_VAR] = str(config_file)
+    os.environ["DAGSTER_HOME"] = str(paths.dagster_home)
+    return config_file
+
+
+def dagster_dev_command(config: TrinityConfig, config_file: Path, workspace: Path) -> str:
+    """The command that opens this run's instance in the Dagster UI."""
+    paths = RunPaths.of_config(config)
+    return (
+        f"cd {workspace.parent} && DAGSTER_HOME={paths.dagster_home} "
+        f"{CONFIG_ENV_VAR}={config_file} {Path(sys.executable).parent / 'dagster'} dev "
+        f"-w {workspace.name} -h 127.0.0.1 -p 3000"
+    )
+
+
+def start_daemon(paths: RunPaths, workspace: Path) -> subprocess.Popen:
+    """`dagster-daemon run` on the workspace, in its own session, logging under `logs/`."""
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    log = open(paths.logs / "dagster-daemon.log", "ab")  # noqa: SIM115 (owned by the child)
+    command = [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(workspace)]
+    return subprocess.Popen(
+        command,
+        cwd=workspace.parent,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=os.environ.copy(),
+    )
+
+
+def stop_daemon(daemon: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Stop the daemon and everything it started (code server, run workers)."""
+    if daemon.poll() is None:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(daemon.pid, signal.SIGKILL)  # run workers left in the session
+
+
+def engine_processes(paths: RunPaths) -> list[psutil.Process]:
+    """The engine service agents and ranks on this machine started for this run root, found
+    by the config file on their command line (one still starting has no state file yet)."""
+    import psutil
+
+    from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
+    from trinity_dagster.service_api.state import CONFIG_FILE
+
+    config_file = str(paths.service / CONFIG_FILE)
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if config_file in cmdline and not {AGENT_MODULE, RANK_MODULE}.isdisjoint(cmdline):
+            found.append(process)
+    return found
+
+
+def stop_run(daemon: subprocess.Popen, paths: RunPaths) -> None:
+    """Stop what a training run started: the daemon with its run workers, then the run
+    root's engine service, cleanly if it answers, and any of its processes left here."""
+    from trinity_dagster.service.launcher import STOP_GRACE_S, stop_service
+    from trinity_dagster.service.processes import end_processes
+
+    stop_daemon(daemon)
+    stop_service(paths)
+    end_processes(engine_processes(paths), grace_s=STOP_GRACE_S)
