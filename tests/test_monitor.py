@@ -23,7 +23,7 @@ from mlflow.entities import Run
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2 as pb
 
-import tests.run_helpers as run_helpers
+import trinity_dagster.testing as testing
 from tests.test_trainer_loop import FakeEngine, RecordingHook
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
@@ -50,7 +50,7 @@ def _no_mlflow_telemetry(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def fake_vocab(monkeypatch: pytest.MonkeyPatch) -> None:
     """Synthetic experiences for the fake engine need only a vocabulary size."""
-    monkeypatch.setattr(run_helpers, "vocab_size", lambda config: 96)
+    monkeypatch.setattr(testing, "vocab_size", lambda config: 96)
 
 
 def monitored_config(

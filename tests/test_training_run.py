@@ -37,7 +37,7 @@ from trinity_dagster.handoff.end_of_data import end_of_data, mark_end_of_data
 from trinity_dagster.handoff.trainer_state import read_trainer_state, write_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
-from trinity_dagster.service_api.state import CONFIG_FILE, read_state
+from trinity_dagster.service_api.state import read_state
 from trinity_dagster.testing import tiny_config
 
 
@@ -142,7 +142,7 @@ def started(command: list[str]) -> subprocess.Popen:
 def fake_engine(paths: RunPaths, module: str) -> subprocess.Popen:
     """A process whose command line is that of the engine agent or a rank of `paths`'s run
     root, before any state file exists (a service still starting)."""
-    config_file = str(paths.service / CONFIG_FILE)
+    config_file = str(paths.service_config)
     script = "import time; time.sleep(600)"
     return started([sys.executable, "-c", script, "-m", module, "-c", config_file])
 

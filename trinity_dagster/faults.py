@@ -34,7 +34,6 @@ from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 ENV = "TRINITY_DAGSTER_FAULT"
-FIRED_FILE = "fault_fired.json"
 WINDOWS = (
     "train_forward",
     "train_backward",
@@ -87,7 +86,7 @@ _fired_file: Path | None = None
 
 def fired_path(paths: RunPaths) -> Path:
     """The file that says the run root's fault has fired (and must not fire again)."""
-    return paths.service / FIRED_FILE
+    return paths.fault_fired
 
 
 def arm(paths: RunPaths, rank: int) -> Fault | None:

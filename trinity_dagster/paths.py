@@ -148,3 +148,123 @@ class RunPaths:
     def tokenizer(self) -> Path:
         """The tokenizer (HF format) shared by the model, explorers and exports."""
         return self.root / "tokenizer"
+
+    # --- files and directories in the run root --------------------------------------------
+    @property
+    def config_file(self) -> Path:
+        """The resolved config `trinity-dagster run` wrote for the code location."""
+        return self.root / "config.yaml"
+
+    @property
+    def summary_file(self) -> Path:
+        """`trinity-dagster run`'s summary of a finished training."""
+        return self.root / "summary.json"
+
+    @property
+    def end_of_data(self) -> Path:
+        """One mark per explorer that will write no more experiences."""
+        return self.root / "_end_of_data"
+
+    @property
+    def initial_weights_lock(self) -> Path:
+        """The lock under which processes that start together create weights version 0."""
+        return self.root / ".initial_model.lock"
+
+    # --- under logs/ ------------------------------------------------------------------------
+    @property
+    def trainer_state_file(self) -> Path:
+        """The trainer loop's state: running, paused, finished or failed, and why."""
+        return self.logs / "trainer_state.json"
+
+    @property
+    def heartbeats(self) -> Path:
+        """One heartbeat file per explorer loop."""
+        return self.logs / "heartbeats"
+
+    @property
+    def step_records(self) -> Path:
+        """The engine's record of each trained step."""
+        return self.logs / "steps"
+
+    @property
+    def engine_log(self) -> Path:
+        """The engine service's log."""
+        return self.logs / "engine.log"
+
+    @property
+    def daemon_log(self) -> Path:
+        """`dagster-daemon run`'s log under `trinity-dagster run`."""
+        return self.logs / "dagster-daemon.log"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        """The `jsonl` tracking backend's metrics, one line per step."""
+        return self.logs / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        """The `tensorboard` tracking backend's event files."""
+        return self.logs / "tensorboard"
+
+    @property
+    def mlflow(self) -> Path:
+        """The `mlflow` tracking backend's local store."""
+        return self.logs / "mlflow"
+
+    # --- under weights/ ---------------------------------------------------------------------
+    @property
+    def sync_requests(self) -> Path:
+        """Explorers' requests for newer weights (`sync_style: explorer_driven`)."""
+        return self.weights / "requests"
+
+    @property
+    def weights_holds(self) -> Path:
+        """Holds that keep weights versions from pruning while a reader loads them."""
+        return self.weights / "holds"
+
+    # --- under service/ ---------------------------------------------------------------------
+    @property
+    def service_state_file(self) -> Path:
+        """Where the running engine service listens, its pid and its config's hash."""
+        return self.service / "state.json"
+
+    @property
+    def service_token(self) -> Path:
+        """The engine service's access token (owner-only)."""
+        return self.service / "token"
+
+    @property
+    def service_config(self) -> Path:
+        """The config the engine service was started with."""
+        return self.service / "config.yaml"
+
+    @property
+    def service_start_lock(self) -> Path:
+        """The lock under which one client starts the engine service."""
+        return self.service / "start.lock"
+
+    @property
+    def weights_announcement(self) -> Path:
+        """The newest weights version the service holds for collective transfers."""
+        return self.service / "collective_weights.json"
+
+    @property
+    def fault_fired(self) -> Path:
+        """The record of an injected fault that fired (tests)."""
+        return self.service / "fault_fired.json"
+
+    # --- under control/ ---------------------------------------------------------------------
+    @property
+    def control_requests(self) -> Path:
+        """Control requests of Dagster runs to the trainer loop."""
+        return self.control / "requests"
+
+    @property
+    def control_answers(self) -> Path:
+        """The trainer loop's answers to control requests."""
+        return self.control / "answers"
+
+    @property
+    def pause_mark(self) -> Path:
+        """Present while the user has paused training."""
+        return self.control / "paused.json"

@@ -31,7 +31,6 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.tokenizer import build_tokenizer, load_tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-INIT_LOCK = ".initial_model.lock"
 
 
 def create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:
@@ -40,7 +39,7 @@ def create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:
     Processes that start together (engine ranks, explorers) take turns under a file lock.
     """
     paths.root.mkdir(parents=True, exist_ok=True)
-    with open(paths.root / INIT_LOCK, "w") as lock:
+    with open(paths.initial_weights_lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _create_initial_model(config, paths)
 

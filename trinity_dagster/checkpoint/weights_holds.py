@@ -23,7 +23,7 @@ from trinity_dagster.paths import RunPaths
 
 
 def _holds_dir(paths: RunPaths) -> Path:
-    return paths.weights / "holds"
+    return paths.weights_holds
 
 
 @contextmanager

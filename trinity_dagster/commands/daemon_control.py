@@ -80,7 +80,7 @@ def prepare_instance(config: TrinityConfig) -> Path:
     """Write the run's config and instance settings; point this process's Dagster at them."""
     paths = RunPaths.of_config(config)
     paths.root.mkdir(parents=True, exist_ok=True)
-    config_file = paths.root / "config.yaml"
+    config_file = paths.config_file
     config_file.write_text(config.to_yaml())
     write_instance_yaml(paths.dagster_home, config.dagster.postgres_url, replace=True)
     os.environ[CONFIG_ENV_VAR] = str(config_file)
@@ -101,7 +101,7 @@ def dagster_dev_command(config: TrinityConfig, config_file: Path, workspace: Pat
 def start_daemon(paths: RunPaths, workspace: Path) -> subprocess.Popen:
     """`dagster-daemon run` on the workspace, in its own session, logging under `logs/`."""
     paths.logs.mkdir(parents=True, exist_ok=True)
-    log = open(paths.logs / "dagster-daemon.log", "ab")  # noqa: SIM115 (owned by the child)
+    log = open(paths.daemon_log, "ab")  # noqa: SIM115 (owned by the child)
     command = [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(workspace)]
     return subprocess.Popen(
         command,
@@ -132,9 +132,8 @@ def engine_processes(paths: RunPaths) -> list[psutil.Process]:
     import psutil
 
     from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
-    from trinity_dagster.service_api.state import CONFIG_FILE
 
-    config_file = str(paths.service / CONFIG_FILE)
+    config_file = str(paths.service_config)
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []

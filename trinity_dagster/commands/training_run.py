@@ -131,7 +131,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         "dagster_dev": dagster_dev_command(config, config_file, workspace_file),
         "seconds": round(time.perf_counter() - started, 1),
     }
-    (paths.root / "summary.json").write_text(json.dumps(summary, indent=1))
+    paths.summary_file.write_text(json.dumps(summary, indent=1))
     print(
         "\n".join(
             [
@@ -142,7 +142,7 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
                 lineage_line(lineage),
                 f"final checkpoint: {summary['final_checkpoint']}",
                 f"HF model: {summary['hf_model']}",
-                f"summary: {paths.root / 'summary.json'}",
+                f"summary: {paths.summary_file}",
                 "inspect lineage and plots:",
                 f"  {summary['dagster_dev']}",
             ]
@@ -174,8 +174,7 @@ def _watch(
             raise TrainingRunError(failure)
         if daemon.poll() is not None:
             raise TrainingRunError(
-                f"dagster-daemon exited with {daemon.returncode}; "
-                f"see {paths.logs / 'dagster-daemon.log'}"
+                f"dagster-daemon exited with {daemon.returncode}; see {paths.daemon_log}"
             )
         state = read_trainer_state(paths)
         if state is not None and state.state == "paused" and state.updated_at != paused_seen:

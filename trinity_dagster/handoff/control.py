@@ -51,11 +51,11 @@ class ControlRequest:
 
 
 def _requests_dir(paths: RunPaths) -> Path:
-    return paths.control / "requests"
+    return paths.control_requests
 
 
 def _answers_dir(paths: RunPaths) -> Path:
-    return paths.control / "answers"
+    return paths.control_answers
 
 
 def _file(folder: Path, request_id: str) -> Path:
@@ -184,7 +184,7 @@ def _claimed_answer(
 
 
 def _pause_file(paths: RunPaths) -> Path:
-    return paths.control / "paused.json"
+    return paths.pause_mark
 
 
 def set_paused(paths: RunPaths, by: str) -> None:

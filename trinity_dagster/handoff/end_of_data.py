@@ -15,12 +15,10 @@ import time
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
-END_DIR = "_end_of_data"
-
 
 def mark_end_of_data(paths: RunPaths, explorer_id: str, reason: str) -> None:
     """Record that `explorer_id` writes no more experiences, and why."""
-    marker = paths.root / END_DIR / f"{explorer_id}.json"
+    marker = paths.end_of_data / f"{explorer_id}.json"
     write_text_atomic(
         marker, json.dumps({"explorer_id": explorer_id, "reason": reason, "at": time.time()})
     )
@@ -28,7 +26,7 @@ def mark_end_of_data(paths: RunPaths, explorer_id: str, reason: str) -> None:
 
 def end_of_data(paths: RunPaths) -> str | None:
     """Why no more data will come (the explorers' reasons), or None while data may come."""
-    folder = paths.root / END_DIR
+    folder = paths.end_of_data
     if not folder.is_dir():
         return None
     reasons = [json.loads(p.read_text())["reason"] for p in sorted(folder.glob("*.json"))]
@@ -37,4 +35,4 @@ def end_of_data(paths: RunPaths) -> str | None:
 
 def clear_end_of_data(paths: RunPaths) -> None:
     """Forget every explorer's end-of-data mark (a run is extended: data may come again)."""
-    shutil.rmtree(paths.root / END_DIR, ignore_errors=True)
+    shutil.rmtree(paths.end_of_data, ignore_errors=True)

@@ -19,7 +19,7 @@ BUILTIN_EXPLORER_ID = "explorer-0"  # the explorer that the graph's `rollouts` r
 
 def heartbeat_path(paths: RunPaths, explorer_id: str) -> Path:
     """The heartbeat file of explorer `explorer_id`."""
-    return paths.logs / "heartbeats" / f"{explorer_id}.beat"
+    return paths.heartbeats / f"{explorer_id}.beat"
 
 
 class Heartbeat:

@@ -19,8 +19,6 @@ from pathlib import Path
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
-REQUESTS_DIR = "requests"
-
 
 @dataclass(frozen=True)
 class SyncRequest:
@@ -35,7 +33,7 @@ def request_path(paths: RunPaths, explorer_id: str) -> Path:
     """Where the request of `explorer_id` lives."""
     if not explorer_id or "/" in explorer_id or explorer_id.startswith("."):
         raise ValueError(f"invalid explorer id {explorer_id!r}")
-    return paths.weights / REQUESTS_DIR / f"{explorer_id}.json"
+    return paths.sync_requests / f"{explorer_id}.json"
 
 
 def request_sync(paths: RunPaths, explorer_id: str, have_version: int) -> Path:
@@ -47,7 +45,7 @@ def request_sync(paths: RunPaths, explorer_id: str, have_version: int) -> Path:
 
 def pending_requests(paths: RunPaths) -> list[SyncRequest]:
     """The unanswered requests, by explorer id."""
-    folder = paths.weights / REQUESTS_DIR
+    folder = paths.sync_requests
     if not folder.is_dir():
         return []
     found = []

@@ -22,7 +22,6 @@ from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 
 State = Literal["running", "paused", "finished", "failed"]
-TRAINER_STATE_FILE = "trainer_state.json"
 DATA_ENDED = "data ended"
 STOPPED = "stopped by request"
 
@@ -61,7 +60,7 @@ class TrainerState:
 
 def state_path(paths: RunPaths) -> Path:
     """The state file of the run rooted at `paths`."""
-    return paths.logs / TRAINER_STATE_FILE
+    return paths.trainer_state_file
 
 
 def write_trainer_state(paths: RunPaths, state: State, step: int, reason: str = "") -> None:

@@ -14,7 +14,7 @@ from trinity_dagster.paths import RunPaths
 
 def metrics_file(paths: RunPaths) -> Path:
     """The JSONL file of the run rooted at `paths`."""
-    return paths.logs / "metrics.jsonl"
+    return paths.metrics_jsonl
 
 
 class JsonlMonitor(Monitor):

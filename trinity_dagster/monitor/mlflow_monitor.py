@@ -28,7 +28,7 @@ MODEL_ARTIFACT = "model"
 
 def mlflow_dir(paths: RunPaths) -> Path:
     """The default MLflow store of the run rooted at `paths`: `mlflow.db` and `artifacts/`."""
-    return paths.logs / "mlflow"
+    return paths.mlflow
 
 
 def flat_params(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

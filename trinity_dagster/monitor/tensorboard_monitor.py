@@ -23,7 +23,7 @@ from trinity_dagster.paths import RunPaths
 
 def tensorboard_dir(paths: RunPaths) -> Path:
     """The TensorBoard log directory of the run rooted at `paths`."""
-    return paths.logs / "tensorboard"
+    return paths.tensorboard
 
 
 class TensorBoardMonitor(Monitor):

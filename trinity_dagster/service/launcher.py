@@ -40,7 +40,6 @@ from trinity_dagster.service.processes import (
 )
 from trinity_dagster.service_api.client import EngineClient, EngineError, EngineUnreachable
 from trinity_dagster.service_api.state import (
-    CONFIG_FILE,
     ServiceState,
     clear_state,
     ensure_token,
@@ -49,7 +48,6 @@ from trinity_dagster.service_api.state import (
     read_token,
 )
 
-LOG_FILE = "engine.log"
 SILENT_AFTER_S = 10.0  # `status` is answered from a snapshot, even while a step trains
 STOP_GRACE_S = 10.0
 
@@ -70,7 +68,7 @@ class SilentService:
 
 def log_path(paths: RunPaths) -> Path:
     """The service's log file."""
-    return paths.logs / LOG_FILE
+    return paths.engine_log
 
 
 def _client(state: ServiceState, paths: RunPaths, timeout_s: float) -> EngineClient:
@@ -128,7 +126,7 @@ def live_service(paths: RunPaths) -> ServiceState | None:
 @contextlib.contextmanager
 def _start_lock(paths: RunPaths) -> Iterator[None]:
     paths.service.mkdir(parents=True, exist_ok=True)
-    with open(paths.service / "start.lock", "w") as handle:
+    with open(paths.service_start_lock, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -205,7 +203,7 @@ def start_service(config: TrinityConfig) -> ServiceState:
         if state is not None:
             return state
         ensure_token(paths)
-        config_file = paths.service / CONFIG_FILE
+        config_file = paths.service_config
         config_file.write_text(config.to_yaml())
         paths.logs.mkdir(parents=True, exist_ok=True)
         log = log_path(paths)

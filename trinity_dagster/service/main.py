@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             port=server.port,
             world_size=host.world_size,
             config_hash=config.resolved_hash(),
-            log_file=str(paths.logs / "engine.log"),
+            log_file=str(paths.engine_log),
             weight_sync_port=None if sender is None else sender.port,
         )
         write_state(paths, state)

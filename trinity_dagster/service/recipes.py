@@ -22,7 +22,8 @@ from typing import Any
 import yaml
 
 from trinity_dagster.config import ConfigError, TrinityConfig
-from trinity_dagster.service.launcher import LOG_FILE, torchrun_options
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.launcher import torchrun_options
 from trinity_dagster.service.processes import RANK_MODULE
 
 SCHEDULERS = ("slurm", "k8s")
@@ -73,7 +74,8 @@ def slurm_script(config: TrinityConfig, config_file: Path, options: RecipeOption
     _multi_node(config)
     service = config.service
     host, _ = service.rdzv_address
-    log = Path(config.run_root) / "logs" / f"{Path(LOG_FILE).stem}-%j.log"
+    engine_log = RunPaths.of_config(config).engine_log
+    log = engine_log.with_name(f"{engine_log.stem}-%j.log")
     job_name = re.sub(r"[^\w.-]", "-", f"trinity-dagster-{config.name}")
     lines = [
         "#!/bin/bash",

@@ -17,13 +17,12 @@ from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
 
-RECORDS_DIR = "steps"
 _RECORD_NAME = re.compile(r"step_(\d+)\.json")
 
 
 def record_path(paths: RunPaths, step: int) -> Path:
     """The JSON record of a trained step."""
-    return paths.logs / RECORDS_DIR / f"step_{step_key(step)}.json"
+    return paths.step_records / f"step_{step_key(step)}.json"
 
 
 def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
@@ -42,7 +41,7 @@ def write_record(paths: RunPaths, record: dict[str, Any]) -> None:
 def recorded_steps(paths: RunPaths) -> set[int]:
     """The steps that have a record (one directory listing, however far apart they are)."""
     try:
-        names = [entry.name for entry in (paths.logs / RECORDS_DIR).iterdir()]
+        names = [entry.name for entry in paths.step_records.iterdir()]
     except FileNotFoundError:
         return set()
     return {int(match[1]) for name in names if (match := _RECORD_NAME.fullmatch(name))}

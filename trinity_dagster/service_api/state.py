@@ -20,9 +20,6 @@ from pathlib import Path
 from trinity_dagster.files import PRIVATE_MODE, write_text_atomic
 from trinity_dagster.paths import RunPaths
 
-TOKEN_FILE = "token"
-SERVICE_STATE_FILE = "state.json"
-CONFIG_FILE = "config.yaml"
 MIN_TOKEN_CHARS = 32
 
 
@@ -32,7 +29,7 @@ class TokenFileError(PermissionError):
 
 def token_path(paths: RunPaths) -> Path:
     """Where the access token of this run's service lives."""
-    return paths.service / TOKEN_FILE
+    return paths.service_token
 
 
 def check_token(token: str, where: str) -> None:
@@ -110,13 +107,13 @@ def advertised_host(bind_host: str) -> str:
 def write_state(paths: RunPaths, state: ServiceState) -> None:
     """Publish the running service's address atomically."""
     text = json.dumps(asdict(state), indent=1)
-    write_text_atomic(paths.service / SERVICE_STATE_FILE, text, mode=PRIVATE_MODE)
+    write_text_atomic(paths.service_state_file, text, mode=PRIVATE_MODE)
 
 
 def read_state(paths: RunPaths) -> ServiceState | None:
     """The last published service state, or None."""
     try:
-        data = json.loads((paths.service / SERVICE_STATE_FILE).read_text())
+        data = json.loads(paths.service_state_file.read_text())
     except FileNotFoundError:
         return None
     except json.JSONDecodeError:
@@ -131,7 +128,7 @@ def clear_state(paths: RunPaths, pid: int | None = None) -> None:
     """Remove the state file (only if it still names `pid`, when given)."""
     current = read_state(paths)
     if current is not None and (pid is None or current.pid == pid):
-        (paths.service / SERVICE_STATE_FILE).unlink(missing_ok=True)
+        paths.service_state_file.unlink(missing_ok=True)
 
 
 def pid_alive(pid: int) -> bool:

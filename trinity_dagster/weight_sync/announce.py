@@ -17,12 +17,10 @@ from trinity_dagster.files import write_text_atomic
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service_api.state import pid_alive, read_state
 
-ANNOUNCE_FILE = "collective_weights.json"
-
 
 def announce_path(paths: RunPaths) -> Path:
     """Where the running service announces its newest held version."""
-    return paths.service / ANNOUNCE_FILE
+    return paths.weights_announcement
 
 
 def announce(paths: RunPaths, version: int) -> None:
