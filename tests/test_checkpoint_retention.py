@@ -12,6 +12,7 @@ import pytest
 
 from tests.checkpoint_support import TinyProvider, damage_checksum_only
 from trinity_dagster.checkpoint.layout import (
+    MANIFEST_FILE,
     checkpoint_dir,
     latest_checkpoint_step,
     scan_step_dirs,
@@ -19,7 +20,6 @@ from trinity_dagster.checkpoint.layout import (
     set_latest_weights_version,
 )
 from trinity_dagster.checkpoint.manager import CheckpointManager
-from trinity_dagster.checkpoint.manifest import MANIFEST_FILE
 from trinity_dagster.checkpoint.retention import prune_checkpoints
 from trinity_dagster.config import config_from_dict
 from trinity_dagster.paths import RunPaths

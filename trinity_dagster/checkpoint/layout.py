@@ -30,7 +30,13 @@ from trinity_dagster.paths import RunPaths
 
 LATEST_CHECKPOINT_FILE = "latest_checkpointed_iteration.txt"
 LATEST_WEIGHTS_FILE = "latest_state_dict_iteration.txt"
-HF_SUBDIR = "huggingface"
+# What a checkpoint directory `checkpoints/global_step_N/` holds, the one map of it:
+MANIFEST_FILE = "manifest.json"  # written last: every file's size and sha256, sampler state
+HF_SUBDIR = "huggingface"  # the HF export, when the save made one
+MODEL_DESCRIPTION_DIR = "model"  # the model's HF config and tokenizer, to rebuild the model
+ENGINE_STATE_FILE = "engine_state.json"  # the engine's step, layout and format version
+DIST_DIR = "dist"  # Megatron's distributed checkpoint of the model and optimizer
+RNG_DIR = "rng"  # every rank's random number generator states
 _FINAL_NAME = re.compile(r"global_step_(\d+)")
 _SCRATCH_NAME = re.compile(r"\.global_step_(\d+)\.(tmp|trash)-[0-9a-f]+")
 

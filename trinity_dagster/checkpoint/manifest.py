@@ -18,9 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from trinity_dagster.checkpoint.layout import MANIFEST_FILE
 from trinity_dagster.files import fsync_dir, write_text_atomic
 
-MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 _CHUNK = 4 << 20
 _STEP_DIR = re.compile(r"global_step_(\d+)")

@@ -35,8 +35,9 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     """Write the weights of a verified full checkpoint as an HF directory at `out`."""
     import tempfile
 
+    from trinity_dagster.checkpoint.layout import MODEL_DESCRIPTION_DIR
     from trinity_dagster.config import load_config
-    from trinity_dagster.engine.engine import MODEL_DESCRIPTION_DIR, TrainEngine
+    from trinity_dagster.engine.engine import TrainEngine
 
     description = checkpoint / MODEL_DESCRIPTION_DIR
     if not (description / "config.json").is_file():

@@ -29,6 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from trinity_dagster.algorithms import advantages_from_config, apply_kl_penalty, mask_counts
+from trinity_dagster.checkpoint.layout import DIST_DIR, MODEL_DESCRIPTION_DIR
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
 from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue
@@ -38,7 +39,6 @@ from trinity_dagster.engine.optim import build_optimizer, build_scheduler
 from trinity_dagster.engine.packing import Packing
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
-    DIST_DIR,
     Layout,
     load_engine_state,
     read_engine_state,
@@ -54,7 +54,6 @@ from trinity_dagster.engine.train_step import (
 MICRO_BATCH_KEYS = ("tokens", "attention_mask", "response_mask", "old_logprobs", "advantages")
 
 
-MODEL_DESCRIPTION_DIR = "model"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 

@@ -24,12 +24,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
+from trinity_dagster.checkpoint.layout import DIST_DIR, ENGINE_STATE_FILE, RNG_DIR
 from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue, save_sharded
 from trinity_dagster.files import write_text_atomic
 
-ENGINE_STATE_FILE = "engine_state.json"
-DIST_DIR = "dist"
-RNG_DIR = "rng"
 FORMAT_VERSION = 1
 
 log = logging.getLogger(__name__)

@@ -22,12 +22,12 @@ import pyarrow.dataset as ds
 from trinity_dagster.buffer.schema import SEQ_SHIFT
 from trinity_dagster.buffer.tables import open_table
 from trinity_dagster.checkpoint.layout import (
+    MANIFEST_FILE,
     checkpoint_dir,
     published_weights_dir,
     scan_step_dirs,
     weights_versions_on_disk,
 )
-from trinity_dagster.checkpoint.manifest import MANIFEST_FILE
 from trinity_dagster.lineage.ledger import ROLLOUTS_SCHEMA, STEPS_SCHEMA
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service_api.records import recorded_steps
