@@ -11,7 +11,7 @@ import pytest
 from deltalake import DeltaTable
 
 import trinity_dagster.buffer.validation as validation
-from tests.buffer_support import make_config, make_row
+from tests.support.buffer import make_config, make_row
 from trinity_dagster.buffer import ExperienceWriter, WriteReport
 from trinity_dagster.paths import RunPaths
 

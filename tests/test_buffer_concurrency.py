@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from tests.buffer_support import make_config, make_row
+from tests.support.buffer import make_config, make_row
 from trinity_dagster.buffer import (
     ExperienceWriter,
     PinResult,

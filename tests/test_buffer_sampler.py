@@ -7,7 +7,7 @@ import json
 import pytest
 from deltalake import DeltaTable
 
-from tests.buffer_support import make_config, make_row, make_rows
+from tests.support.buffer import make_config, make_row, make_rows
 from trinity_dagster.buffer import (
     ExperienceWriter,
     NotEnoughDataError,

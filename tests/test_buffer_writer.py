@@ -13,7 +13,7 @@ from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.buffer_support import make_config, make_row, make_rows
+from tests.support.buffer import make_config, make_row, make_rows
 from trinity_dagster.buffer import EXPERIENCE_SCHEMA, ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.paths import RunPaths
 

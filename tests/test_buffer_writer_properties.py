@@ -11,7 +11,7 @@ from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.buffer_support import make_config, make_row
+from tests.support.buffer import make_config, make_row
 from trinity_dagster.buffer import ExperienceWriter
 from trinity_dagster.paths import RunPaths
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_support import TinyProvider, damage_checksum_only
+from tests.support.checkpoint import TinyProvider, damage_checksum_only
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 SAVER = """
 import random, sys, time
 from pathlib import Path
-from tests.checkpoint_support import TinyProvider
+from tests.support.checkpoint import TinyProvider
 from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.config import config_from_dict
 from trinity_dagster.paths import RunPaths

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint_support import STATE_FILES, TinyProvider
+from tests.support.checkpoint import STATE_FILES, TinyProvider
 from trinity_dagster.checkpoint import manager as manager_module
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoint_support import TinyProvider
+from tests.support.checkpoint import TinyProvider
 
 
 def test_save_and_load_round_trip_continues_identically(tmp_path: Path) -> None:

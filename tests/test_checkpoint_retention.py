@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_support import TinyProvider, damage_checksum_only
+from tests.support.checkpoint import TinyProvider, damage_checksum_only
 from trinity_dagster.checkpoint.layout import (
     MANIFEST_FILE,
     checkpoint_dir,

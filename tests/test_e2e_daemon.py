@@ -27,7 +27,7 @@ import pytest
 import yaml
 from deltalake import DeltaTable
 
-from tests.dagster_dev_helpers import REPO_ROOT, DagsterDev
+from tests.support.dagster_dev import REPO_ROOT, DagsterDev
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,

@@ -28,7 +28,7 @@ import yaml
 from deltalake import DeltaTable
 from safetensors.torch import load_file
 
-from tests.dagster_dev_helpers import (
+from tests.support.dagster_dev import (
     CHROMIUM,
     FINISHED_BACKFILL,
     FINISHED_RUN,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dagster_dev_helpers import processes_with_env
+from tests.support.dagster_dev import processes_with_env
 from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.paths import RunPaths

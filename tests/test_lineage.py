@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from tests.buffer_support import make_config, make_row, make_rows
+from tests.support.buffer import make_config, make_row, make_rows
 from trinity_dagster import cli
 from trinity_dagster.buffer.sampler import pin_batch
 from trinity_dagster.buffer.writer import ExperienceWriter

@@ -21,7 +21,7 @@ from assets.definitions import defs
 from assets.partitions import step_key
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
-from tests.checkpoint_support import TinyProvider, damage_checksum_only
+from tests.support.checkpoint import TinyProvider, damage_checksum_only
 from trinity_dagster.buffer.maintenance import clean_logs
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA

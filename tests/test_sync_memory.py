@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import train_beside_explorer
+from tests.support.explored_run import train_beside_explorer
 from trinity_dagster.checkpoint import shm_weights
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.layout import (

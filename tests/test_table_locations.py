@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
-from tests.buffer_support import make_config, make_rows
+from tests.support.buffer import make_config, make_rows
 from trinity_dagster.buffer import ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.buffer.maintenance import compact
 from trinity_dagster.buffer.reader import load_step_batch

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import trinity_dagster.commands.training_run as training_run
-from tests.dagster_dev_helpers import REPO_ROOT, processes_with_env
+from tests.support.dagster_dev import REPO_ROOT, processes_with_env
 from trinity_dagster.commands import daemon_control
 from trinity_dagster.commands.daemon_control import (
     engine_processes,

@@ -21,7 +21,7 @@ import httpx
 from trinity_dagster.config import CONFIG_ENV_VAR
 from trinity_dagster.testing import free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 LOCATION = "trinity_dagster"
 REPOSITORY = "__repository__"
