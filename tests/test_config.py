@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_args
 
 import pytest
 import yaml
@@ -12,7 +11,6 @@ from pydantic import ValidationError
 from trinity_dagster.config import (
     ALGORITHM_ALIASES,
     ALGORITHM_PRESETS,
-    AlgorithmConfig,
     ConfigError,
     TrinityConfig,
     check_inputs,
@@ -279,9 +277,12 @@ def test_examples_load(name: str) -> None:
     assert Path(cfg.run_root).is_absolute()
 
 
-def test_every_algorithm_type_has_a_preset() -> None:
-    names = get_args(AlgorithmConfig.model_fields["algorithm_type"].annotation)
-    assert set(names) == set(ALGORITHM_PRESETS)
+@pytest.mark.parametrize("name", list(ALGORITHM_PRESETS))
+def test_each_preset_is_an_algorithm_type_that_loads(name: str) -> None:
+    algorithm = load_config(None, overrides={"algorithm.algorithm_type": name}).algorithm
+    assert algorithm.algorithm_type == name
+    for key, value in ALGORITHM_PRESETS[name].items():
+        assert getattr(algorithm, key) == value
 
 
 @pytest.mark.parametrize(

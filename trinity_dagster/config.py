@@ -106,8 +106,6 @@ class ModelConfig(_Section):
         return self
 
 
-AlgorithmType = Literal["grpo", "rloo", "reinforce_plus_plus", "opmd", "gspo", "sft"]
-
 # Trinity-RFT's PPO-style loss defaults: symmetric clip 0.2, dual-clip c = 3 on negative
 # advantages, and a k2 KL loss against the reference model with coefficient 0.001.
 _TRINITY_PPO_LOSS: dict[str, Any] = {
@@ -150,9 +148,10 @@ class AlgorithmConfig(_Section):
     entry (Trinity-RFT's defaults); without one, the field defaults are the demo's GRPO.
     """
 
-    algorithm_type: AlgorithmType = Field(
+    algorithm_type: str = Field(
         default="grpo",
-        description="Selects the defaults of the keys in ALGORITHM_PRESETS when given.",
+        description="Selects the defaults of the keys in ALGORITHM_PRESETS when given: "
+        "one of its names.",
     )
     repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
     advantage_fn: Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"] = "grpo"
@@ -205,6 +204,15 @@ class AlgorithmConfig(_Section):
             )
         preset = ALGORITHM_PRESETS.get(name, {}) if isinstance(name, str) else {}
         return {**preset, **data, "algorithm_type": name}
+
+    @field_validator("algorithm_type")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        """The names of ALGORITHM_PRESETS are the algorithms there are."""
+        if value not in ALGORITHM_PRESETS:
+            *rest, last = (repr(name) for name in ALGORITHM_PRESETS)
+            raise ValueError(f"Input should be {', '.join(rest)} or {last}")
+        return value
 
     @field_validator("advantage_fn", mode="before")
     @classmethod
