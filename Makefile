@@ -25,7 +25,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy \
-		&& $(VENV)/bin/lint-imports
+		&& $(VENV)/bin/lint-imports --no-logo
 
 format: install
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

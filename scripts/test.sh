@@ -8,6 +8,6 @@ VENV="${VENV:-.venv}"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 "$VENV/bin/mypy"  # type check of trinity_dagster/, assets/ and resources/ (pyproject.toml)
-"$VENV/bin/lint-imports"  # the layers and no-cycle contracts (pyproject.toml)
+"$VENV/bin/lint-imports" --no-logo  # the layers and no-cycle contracts (pyproject.toml)
 bash scripts/ensure_programs.sh  # headless Chromium and the PostgreSQL server
 exec "$VENV/bin/pytest" "$@"
