@@ -153,7 +153,7 @@ def test_memory_sync_is_refused_where_it_cannot_reach_the_explorer(
     multinode = {**MEMORY, "service": {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"}}
     with pytest.raises(ValueError, match=r"synchronizer\.sync_method.*rank 0 may land on any"):
         tiny_config(tmp_path, multinode)
-    config = tiny_config(tmp_path, MEMORY)  # the machine is probed at launch, not at load
+    config, _ = tiny_config(tmp_path, MEMORY)  # the machine is probed at launch, not at load
     monkeypatch.setattr("trinity_dagster.config.SHM_ROOT", tmp_path / "no-shm")
     with pytest.raises(ConfigError, match=r"synchronizer\.sync_method.*Linux only"):
         check_inputs(config)
