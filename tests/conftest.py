@@ -17,3 +17,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_signals_act() -> None:
+    """The processes the tests start stop on SIGTERM even where the shell that started pytest
+    ignored it (each ignored signal is inherited and would hold a teardown for its timeout)."""
+    from trinity_dagster.commands.daemon_control import restore_stop_signals
+
+    restore_stop_signals()

@@ -184,6 +184,31 @@ def test_stopping_a_run_ends_the_daemon_its_workers_and_an_engine_still_starting
             process.wait()
 
 
+STOP_MASK = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+
+
+def ignored_mask(script: str) -> str:
+    """The SigIgn mask (hex) that `script`, run by bash, prints from /proc."""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    return out.stdout.split("SigIgn:")[1].split()[0]
+
+
+CHILD_SIGNALS = (
+    "import subprocess; from trinity_dagster.commands.daemon_control import restore_stop_signals; "
+    "restore_stop_signals(); "
+    "print(subprocess.run(['grep', 'SigIgn', '/proc/self/status'], capture_output=True, "
+    "text=True).stdout)"
+)
+
+
+def test_processes_started_by_a_command_stop_even_when_its_shell_ignored_the_signals() -> None:
+    ignored = int("0x" + ignored_mask("trap '' INT TERM; grep SigIgn /proc/self/status"), 16)
+    assert ignored & STOP_MASK == STOP_MASK  # the shell's own children inherit both
+
+    child = ignored_mask(f"trap '' INT TERM; {sys.executable} -c \"{CHILD_SIGNALS}\"")
+    assert int("0x" + child, 16) & STOP_MASK == 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_raises_once_and_the_old_handlers_come_back(sig: signal.Signals) -> None:
     before = signal.getsignal(sig)

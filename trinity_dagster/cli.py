@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from trinity_dagster.commands.daemon_control import restore_stop_signals
 from trinity_dagster.commands.errors import StoppedBySignal, TrainingRunError
 from trinity_dagster.config import ConfigError
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script."""
     args = build_parser().parse_args(argv)
+    restore_stop_signals()
     try:
         return int(args._main(args) or 0)
     except ConfigError as err:

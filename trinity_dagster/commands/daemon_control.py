@@ -24,6 +24,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def restore_stop_signals() -> None:
+    """SIGINT and SIGTERM act again where the launching shell left them ignored (a script's
+    background job ignores SIGINT; `trap '' TERM`): an ignored signal is inherited by every
+    process started from here, which then outlives its stop request."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def ignore_stop_signals() -> None:
     """From here on SIGINT and SIGTERM do nothing (so that they cannot cut a cleanup short)."""
     for sig in STOP_SIGNALS:
