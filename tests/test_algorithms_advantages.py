@@ -8,12 +8,14 @@ from typing import get_args
 import pytest
 import torch
 
+from trinity_dagster.algorithm_names import AdvantageFn
 from trinity_dagster.algorithms import (
     ADVANTAGE_FNS,
     advantages_from_config,
     compute_advantages,
     token_level_rewards,
 )
+from trinity_dagster.algorithms._checks import registry
 from trinity_dagster.config import AlgorithmConfig, load_config
 
 EPS = 1e-6
@@ -26,6 +28,15 @@ def close(actual: torch.Tensor, expected: list) -> None:
 def test_registry_matches_config_names() -> None:
     names = get_args(AlgorithmConfig.model_fields["advantage_fn"].annotation)
     assert set(ADVANTAGE_FNS) == set(names)
+
+
+def test_a_registry_that_misses_or_adds_a_config_name_refuses_to_load() -> None:
+    implemented = dict(ADVANTAGE_FNS)
+    assert registry(AdvantageFn, implemented) is implemented
+    del implemented["opmd"]
+    implemented["typo"] = compute_advantages  # type: ignore[index]
+    with pytest.raises(RuntimeError, match=r"missing \['opmd'\], extra \['typo'\]"):
+        registry(AdvantageFn, implemented)
 
 
 # Groups (interleaved, non-contiguous ids): 10 -> rewards 1, 2, 3; 3 -> 0, 1; 42 -> 7 alone.

@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from trinity_dagster.algorithm_names import AdvantageFn, KlFn, LossAggMode, PolicyLossFn
 from trinity_dagster.paths import SHM_ROOT, delta_unaddressable, local_path, uri_scheme
 from trinity_dagster.tasks import TASKSETS
 from trinity_dagster.trinity_keys import TrinityKeyError, set_dotted, translate
@@ -154,7 +155,7 @@ class AlgorithmConfig(_Section):
         "one of its names.",
     )
     repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
-    advantage_fn: Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"] = "grpo"
+    advantage_fn: AdvantageFn = "grpo"
     advantage_epsilon: float = Field(default=1e-6, gt=0)
     gamma: float = Field(
         default=1.0, ge=0, le=1, description="Discount of reinforce_plus_plus returns-to-go."
@@ -165,22 +166,20 @@ class AlgorithmConfig(_Section):
     opmd_tau: float = Field(
         default=1.0, gt=0, description="Temperature of the opmd 'logavgexp' baseline."
     )
-    policy_loss_fn: Literal["ppo", "gspo", "sft"] = "ppo"
+    policy_loss_fn: PolicyLossFn = "ppo"
     clip_range_low: float = Field(default=0.2, ge=0, lt=1)
     clip_range_high: float = Field(default=0.28, ge=0)
     dual_clip: float | None = Field(
         default=None, gt=1, description="Dual-clip constant c (> 1); None disables it."
     )
-    kl_loss_fn: Literal["none", "k1", "k2", "k3", "low_var_kl", "abs"] = "none"
+    kl_loss_fn: KlFn = "none"
     kl_loss_coef: float = Field(default=0.0, ge=0)
-    kl_penalty_fn: Literal["none", "k1", "k2", "k3", "low_var_kl", "abs"] = "none"
+    kl_penalty_fn: KlFn = "none"
     kl_penalty_coef: float = Field(default=0.0, ge=0)
     kl_bound: float = Field(
         default=1.0, gt=0, description="Largest actor/ppo_kl the kl_within_bound check accepts."
     )
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     entropy_coef: float = Field(default=0.0, ge=0)
     recompute_old_logprobs: bool = Field(
         default=False, description="Recompute old log-probs with the trainer's weights."

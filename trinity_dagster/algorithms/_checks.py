@@ -1,17 +1,30 @@
-"""Input checks shared by the algorithm functions: registry lookup, shapes, finiteness."""
+"""Shared by the algorithm functions: registries and their lookup, shape and finiteness checks."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar, get_args
 
 import torch
 from torch import Tensor
 
 T = TypeVar("T")
+K = TypeVar("K", bound=str)
 
 
-def lookup(registry: Mapping[str, T], name: str, kind: str) -> T:
+def registry(names: Any, entries: dict[K, T]) -> dict[K, T]:
+    """`entries`, which must implement exactly the names of the Literal `names` (the config's
+    choices); a RuntimeError naming what is missing or extra otherwise, raised on import."""
+    wanted, given = set(get_args(names)), set(entries)
+    if wanted != given:
+        raise RuntimeError(
+            f"registry of {sorted(wanted)}: missing {sorted(wanted - given)}, "
+            f"extra {sorted(given - wanted)}"
+        )
+    return entries
+
+
+def lookup(registry: Mapping[Any, T], name: str, kind: str) -> T:
     """The entry `name` of `registry`; a ValueError listing the known names otherwise."""
     try:
         return registry[name]

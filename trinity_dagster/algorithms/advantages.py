@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trinity_dagster.algorithms._checks import bool_mask, check_2d, check_finite, check_mask, lookup
+from trinity_dagster.algorithm_names import AdvantageFn
+from trinity_dagster.algorithms._checks import (
+    bool_mask,
+    check_2d,
+    check_finite,
+    check_mask,
+    lookup,
+    registry,
+)
 
 if TYPE_CHECKING:
     from trinity_dagster.config import AlgorithmConfig
@@ -169,12 +177,17 @@ def reinforce_plus_plus_advantages(
     return torch.where(keep, adv, torch.zeros_like(adv)).to(rewards.dtype)
 
 
-ADVANTAGE_FNS: dict[str, Callable[[Tensor, Tensor, Tensor, AdvantageOptions], Tensor]] = {
-    "grpo": grpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce_plus_plus": reinforce_plus_plus_advantages,
-    "opmd": opmd_advantages,
-}
+ADVANTAGE_FNS: dict[AdvantageFn, Callable[[Tensor, Tensor, Tensor, AdvantageOptions], Tensor]] = (
+    registry(
+        AdvantageFn,
+        {
+            "grpo": grpo_advantages,
+            "rloo": rloo_advantages,
+            "reinforce_plus_plus": reinforce_plus_plus_advantages,
+            "opmd": opmd_advantages,
+        },
+    )
+)
 
 
 def compute_advantages(

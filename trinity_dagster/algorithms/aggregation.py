@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trinity_dagster.algorithms._checks import bool_mask, check_2d, check_mask, lookup
+from trinity_dagster.algorithm_names import LossAggMode
+from trinity_dagster.algorithms._checks import bool_mask, check_2d, check_mask, lookup, registry
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,15 @@ def _seq_mean_token_sum_norm(masked: Tensor, weights: Tensor, norm: Normalisers)
     return masked.sum() / (norm.num_seqs * norm.max_response_len)
 
 
-LOSS_AGG_MODES: dict[str, Callable[[Tensor, Tensor, Normalisers], Tensor]] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
+LOSS_AGG_MODES: dict[LossAggMode, Callable[[Tensor, Tensor, Normalisers], Tensor]] = registry(
+    LossAggMode,
+    {
+        "token-mean": _token_mean,
+        "seq-mean-token-sum": _seq_mean_token_sum,
+        "seq-mean-token-mean": _seq_mean_token_mean,
+        "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+    },
+)
 
 
 def _resolve(name: str, given: float | None, own: float) -> float:

@@ -13,7 +13,15 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from trinity_dagster.algorithms._checks import bool_mask, check_2d, check_finite, check_mask, lookup
+from trinity_dagster.algorithm_names import KlFn
+from trinity_dagster.algorithms._checks import (
+    bool_mask,
+    check_2d,
+    check_finite,
+    check_mask,
+    lookup,
+    registry,
+)
 from trinity_dagster.algorithms.advantages import token_level_rewards
 
 
@@ -49,14 +57,17 @@ def _abs(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (logprobs - ref_logprobs).abs()
 
 
-KL_FNS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "none": _none,
-    "k1": _k1,
-    "k2": _k2,
-    "k3": _k3,
-    "low_var_kl": _low_var_kl,
-    "abs": _abs,
-}
+KL_FNS: dict[KlFn, Callable[[Tensor, Tensor], Tensor]] = registry(
+    KlFn,
+    {
+        "none": _none,
+        "k1": _k1,
+        "k2": _k2,
+        "k3": _k3,
+        "low_var_kl": _low_var_kl,
+        "abs": _abs,
+    },
+)
 
 
 def kl_divergence(name: str, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:

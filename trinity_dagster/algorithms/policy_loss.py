@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from trinity_dagster.algorithms._checks import bool_mask, check_2d, check_finite, check_mask, lookup
+from trinity_dagster.algorithm_names import PolicyLossFn
+from trinity_dagster.algorithms._checks import (
+    bool_mask,
+    check_2d,
+    check_finite,
+    check_mask,
+    lookup,
+    registry,
+)
 from trinity_dagster.algorithms.aggregation import aggregate_loss
 
 # Log-ratios are clamped to this range before exp, for stability (as in Trinity-RFT / verl).
@@ -113,12 +121,16 @@ def sft_loss(
 
 
 POLICY_LOSS_FNS: dict[
-    str, Callable[[Tensor, Tensor, Tensor, Tensor, ClipOptions], tuple[Tensor, dict[str, Tensor]]]
-] = {
-    "ppo": ppo_loss,
-    "gspo": gspo_loss,
-    "sft": sft_loss,
-}
+    PolicyLossFn,
+    Callable[[Tensor, Tensor, Tensor, Tensor, ClipOptions], tuple[Tensor, dict[str, Tensor]]],
+] = registry(
+    PolicyLossFn,
+    {
+        "ppo": ppo_loss,
+        "gspo": gspo_loss,
+        "sft": sft_loss,
+    },
+)
 
 
 def _check_clip(clip_range_low: float, clip_range_high: float, dual_clip: float | None) -> None:
