@@ -26,3 +26,11 @@ def stop_signals_act() -> None:
     from trinity_dagster.commands.daemon_control import restore_stop_signals
 
     restore_stop_signals()
+
+
+@pytest.fixture
+def no_initial_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synthetic experiences need only a vocabulary size, not the tiny torch model."""
+    import trinity_dagster.testing as testing
+
+    monkeypatch.setattr(testing, "vocab_size", lambda config: 96)

@@ -11,13 +11,13 @@ import pytest
 from deltalake import DeltaTable
 
 import trinity_dagster.buffer.validation as validation
-from tests.support.buffer import make_config, make_row
+from tests.support.buffer import buffer_config, make_row
 from trinity_dagster.buffer import ExperienceWriter, WriteReport
 from trinity_dagster.paths import RunPaths
 
 
 def _write(root: Path, rows: list[dict[str, Any]] | pa.Table) -> WriteReport:
-    return ExperienceWriter(make_config(root)).write(rows)
+    return ExperienceWriter(buffer_config(root)).write(rows)
 
 
 def _stored_eids(root: Path) -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 from deltalake import DeltaTable
 
-from tests.support.buffer import make_config, make_row
+from tests.support.buffer import buffer_config, make_row
 from trinity_dagster.buffer import (
     ExperienceWriter,
     PinResult,
@@ -24,7 +24,7 @@ WRITES_PER_PROCESS = 8
 
 def _writer_process(root: str, worker: int) -> tuple[int, int, int]:
     """Write batches of good rows, one bad row and one eid every process also writes."""
-    config = make_config(Path(root), train_batch_size=4, writer_max_retries=100)
+    config = buffer_config(Path(root), train_batch_size=4, writer_max_retries=100)
     writer = ExperienceWriter(config)
     submitted = written = quarantined = 0
     for i in range(WRITES_PER_PROCESS):
@@ -39,7 +39,7 @@ def _writer_process(root: str, worker: int) -> tuple[int, int, int]:
 
 
 def test_concurrent_writers_and_pinner_account_for_every_row(tmp_path):
-    config = make_config(tmp_path, train_batch_size=4, writer_max_retries=100)
+    config = buffer_config(tmp_path, train_batch_size=4, writer_max_retries=100)
     context = multiprocessing.get_context("spawn")
     steps = 0
     with context.Pool(3) as pool:

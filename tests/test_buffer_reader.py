@@ -6,7 +6,7 @@ import pytest
 import torch
 from deltalake import DeltaTable
 
-from tests.support.buffer import make_config, make_row, make_rows
+from tests.support.buffer import buffer_config, make_row, make_rows
 from trinity_dagster.buffer import (
     ExperienceWriter,
     StepNotPinnedError,
@@ -21,7 +21,7 @@ from trinity_dagster.paths import RunPaths
 
 
 def test_to_tensors_aligns_response_values_with_their_tokens(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2)
+    config = buffer_config(tmp_path, train_batch_size=2)
     rows = [
         make_row(
             "a",
@@ -76,7 +76,7 @@ def test_to_tensors_aligns_response_values_with_their_tokens(tmp_path):
 
 
 def test_advantages_only_when_every_row_has_them(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2)
+    config = buffer_config(tmp_path, train_batch_size=2)
     ExperienceWriter(config).write([make_row("a", advantages=[1.0, 1.0]), make_row("b")])
     pin_batch(config, 1, force=True)
     out = to_tensors(load_step_batch(RunPaths.of(config.run_root), 1))
@@ -85,7 +85,7 @@ def test_advantages_only_when_every_row_has_them(tmp_path):
 
 
 def test_unpinned_step_is_a_clear_error(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     with pytest.raises(StepNotPinnedError, match="step 1 is not pinned"):
         load_step_batch(config, 1)
     ExperienceWriter(config).write(make_rows("a", 4))
@@ -95,7 +95,7 @@ def test_unpinned_step_is_a_clear_error(tmp_path):
 
 
 def test_replay_after_compaction_and_vacuum_is_identical(tmp_path):
-    config = make_config(tmp_path, train_batch_size=3)
+    config = buffer_config(tmp_path, train_batch_size=3)
     writer = ExperienceWriter(config)
     for i in range(6):
         writer.write([*make_rows(f"w{i}", 2), make_row(f"bad{i}", reward=float("inf"))])

@@ -7,7 +7,7 @@ import json
 import pytest
 from deltalake import DeltaTable
 
-from tests.support.buffer import make_config, make_row, make_rows
+from tests.support.buffer import buffer_config, make_row, make_rows
 from trinity_dagster.buffer import (
     ExperienceWriter,
     NotEnoughDataError,
@@ -32,7 +32,7 @@ def _pin(config, step, **kwargs) -> PinResult:
 
 
 def test_fifo_rows_oldest_first_and_never_twice(tmp_path):
-    config = make_config(tmp_path, train_batch_size=3)
+    config = buffer_config(tmp_path, train_batch_size=3)
     writer = ExperienceWriter(config)
     writer.write(make_rows("a", 4))
     writer.write(make_rows("b", 4))
@@ -46,7 +46,7 @@ def test_fifo_rows_oldest_first_and_never_twice(tmp_path):
 
 
 def test_groups_are_pinned_whole_in_completion_order(tmp_path):
-    config = make_config(tmp_path, train_batch_size=4, batch_unit="groups", repeat_times=2)
+    config = buffer_config(tmp_path, train_batch_size=4, batch_unit="groups", repeat_times=2)
     writer = ExperienceWriter(config)
     writer.write([make_row("x0", group="x"), make_row("y0", group="y"), make_row("y1", group="y")])
     # only y is complete: one group of 2 rows, a batch needs 4
@@ -61,7 +61,7 @@ def test_groups_are_pinned_whole_in_completion_order(tmp_path):
 
 
 def test_repin_is_idempotent_and_order_is_enforced(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2)
+    config = buffer_config(tmp_path, train_batch_size=2)
     ExperienceWriter(config).write(make_rows("a", 6))
     first = _pin(config, 1)
     again = _pin(config, 1)
@@ -83,7 +83,7 @@ def test_repin_is_idempotent_and_order_is_enforced(tmp_path):
 
 
 def test_not_enough_data_with_force_raises(tmp_path):
-    config = make_config(tmp_path, train_batch_size=4)
+    config = buffer_config(tmp_path, train_batch_size=4)
     assert pin_batch(config, 1) == PinShortfall(have=0, need=4)
     ExperienceWriter(config).write(make_rows("a", 3))
     with pytest.raises(NotEnoughDataError, match="have 3, need 4"):
@@ -91,7 +91,7 @@ def test_not_enough_data_with_force_raises(tmp_path):
 
 
 def test_staleness_control_drops_and_records(tmp_path):
-    config = make_config(
+    config = buffer_config(
         tmp_path,
         train_batch_size=2,
         sample_strategy="staleness_control",
@@ -115,7 +115,7 @@ def test_staleness_control_drops_and_records(tmp_path):
 
 
 def test_staleness_control_drops_whole_group(tmp_path):
-    config = make_config(
+    config = buffer_config(
         tmp_path,
         train_batch_size=2,
         batch_unit="groups",
@@ -131,7 +131,7 @@ def test_staleness_control_drops_whole_group(tmp_path):
 
 
 def test_priority_highest_first_with_reuse_limit(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2, sample_strategy="priority", reuse_limit=2)
+    config = buffer_config(tmp_path, train_batch_size=2, sample_strategy="priority", reuse_limit=2)
     writer = ExperienceWriter(config)
     writer.write(
         [
@@ -151,7 +151,7 @@ def test_priority_highest_first_with_reuse_limit(tmp_path):
 
 
 def test_sampler_state_json_round_trip_and_errors(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2)
+    config = buffer_config(tmp_path, train_batch_size=2)
     ExperienceWriter(config).write(make_rows("a", 3))
     result = _pin(config, 1)
     restored = SamplerState.from_json(json.dumps(result.state.to_dict()))
@@ -165,7 +165,7 @@ def test_sampler_state_json_round_trip_and_errors(tmp_path):
 
 
 def test_table_stats_counts(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2)
+    config = buffer_config(tmp_path, train_batch_size=2)
     writer = ExperienceWriter(config)
     writer.write([*make_rows("a", 3), make_row("bad", reward=float("nan"))])
     writer.write(make_rows("b", 2))
@@ -184,7 +184,7 @@ def test_concurrent_pinners_of_one_step_agree(tmp_path, monkeypatch):
     """Two pinners of step 1: the loser's commit conflicts and it returns the winner's rows."""
     import trinity_dagster.buffer.sampler as sampler_module
 
-    config = make_config(tmp_path, train_batch_size=2)
+    config = buffer_config(tmp_path, train_batch_size=2)
     ExperienceWriter(config).write(make_rows("a", 3))
     real_write = sampler_module.write_deltalake
     race = [True]

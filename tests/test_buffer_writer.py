@@ -13,7 +13,7 @@ from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.buffer import make_config, make_row, make_rows
+from tests.support.buffer import buffer_config, make_row, make_rows
 from trinity_dagster.buffer import EXPERIENCE_SCHEMA, ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.paths import RunPaths
 
@@ -23,7 +23,7 @@ def _read(path) -> pa.Table:
 
 
 def test_good_rows_are_written_in_one_commit_with_ordered_seq(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     writer = ExperienceWriter(config)
     first = writer.write(make_rows("a", 3))
     second = writer.write(make_rows("b", 2))
@@ -46,7 +46,7 @@ def test_good_rows_are_written_in_one_commit_with_ordered_seq(tmp_path):
 
 
 def test_arrow_table_input_and_defaults(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     rows = make_rows("t", 2)
     for row in rows:
         del row["explorer_id"], row["created_at"], row["info"]
@@ -59,7 +59,7 @@ def test_arrow_table_input_and_defaults(tmp_path):
 
 
 def test_arrow_table_with_uncastable_column_quarantines_every_row(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     table = pa.Table.from_pylist(make_rows("t", 2)).set_column(
         4, "tokens", pa.array([["x"], ["y"]], pa.list_(pa.string()))
     )
@@ -88,7 +88,7 @@ BAD_ROWS = {
 
 @pytest.mark.parametrize("field", sorted(BAD_ROWS))
 def test_each_bad_field_is_quarantined_and_named(tmp_path, field):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     bad = make_row("bad")
     BAD_ROWS[field](bad)
     report = ExperienceWriter(config).write([make_row("ok-1"), bad, make_row("ok-2")])
@@ -121,7 +121,7 @@ UNSTORABLE_ROWS = {
 def test_unstorable_value_is_quarantined_and_good_rows_kept(tmp_path, case):
     """Values Arrow/Delta cannot store (or the sampler cannot rank) reject only their row."""
     field, mutate = UNSTORABLE_ROWS[case]
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     bad = make_row("bad")
     mutate(bad)
     report = ExperienceWriter(config).write([make_row("ok-1"), bad, make_row("ok-2")])
@@ -137,7 +137,7 @@ def test_unstorable_value_is_quarantined_and_good_rows_kept(tmp_path, case):
 
 
 def test_quarantined_row_with_invalid_utf8_eid_has_no_eid_but_keeps_it_in_row_json(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     bad = make_row("x\udcff", reward=math.nan)
     report = ExperienceWriter(config).write([make_row("ok"), bad])
     assert report.reasons[0].eid is None
@@ -147,7 +147,7 @@ def test_quarantined_row_with_invalid_utf8_eid_has_no_eid_but_keeps_it_in_row_js
 
 
 def test_numbers_arrow_would_reject_or_corrupt_are_stored_as_their_value(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     rows = [
         make_row("exact", reward=2**53 + 1, logprobs=[-(2**24) - 1, -1]),
         make_row("uint64", reward=np.uint64(2**64 - 1)),
@@ -159,7 +159,7 @@ def test_numbers_arrow_would_reject_or_corrupt_are_stored_as_their_value(tmp_pat
 
 
 def test_priority_that_overflows_does_not_poison_the_priority_sampler(tmp_path):
-    config = make_config(tmp_path, train_batch_size=2, sample_strategy="priority")
+    config = buffer_config(tmp_path, train_batch_size=2, sample_strategy="priority")
     writer = ExperienceWriter(config)
     bomb = make_row("bomb", info=json.dumps({"priority": 10**400}))
     report = writer.write([make_row("a", reward=0.5), bomb, make_row("b", reward=2.0)])
@@ -169,7 +169,7 @@ def test_priority_that_overflows_does_not_poison_the_priority_sampler(tmp_path):
 
 
 def test_a_single_row_instead_of_a_list_is_a_type_error(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     with pytest.raises(TypeError, match=r"got a single dict \(to write one row, pass \[row\]\)"):
         ExperienceWriter(config).write(make_row("one"))
     paths = RunPaths.of(config.run_root)
@@ -177,7 +177,7 @@ def test_a_single_row_instead_of_a_list_is_a_type_error(tmp_path):
 
 
 def test_too_long_and_unknown_version_and_duplicates(tmp_path):
-    config = make_config(tmp_path)  # max_model_len = 24 + 8
+    config = buffer_config(tmp_path)  # max_model_len = 24 + 8
     writer = ExperienceWriter(config, known_versions=lambda: {0, 1})
     writer.write([make_row("seen")])
     rows = [
@@ -201,7 +201,7 @@ def test_too_long_and_unknown_version_and_duplicates(tmp_path):
 
 
 def test_write_with_only_bad_rows_makes_no_experience_commit(tmp_path):
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     report = ExperienceWriter(config).write([make_row("x", reward=math.inf)])
     assert (report.written, report.version) == (0, None)
     assert DeltaTable(str(RunPaths.of(config.run_root).experiences)).version() == 0
@@ -224,7 +224,7 @@ MUTATIONS = sorted(k for k in BAD_ROWS if k not in ("eid",))
     response=st.integers(min_value=1, max_value=4),
 )
 def test_fuzzed_mix_never_loses_a_good_row(tmp_path_factory, plan, response):
-    config = make_config(tmp_path_factory.mktemp("fuzz"))
+    config = buffer_config(tmp_path_factory.mktemp("fuzz"))
     rows, good, bad = [], [], {}
     for i, mutation in enumerate(plan):
         row = make_row(f"r{i}", response=response)
@@ -248,7 +248,7 @@ def test_conflicting_commit_is_retried_renumbered_and_revalidated(tmp_path, monk
     """A commit that loses the race is redone on the new snapshot: new seqs, eids rechecked."""
     import trinity_dagster.buffer.writer as writer_module
 
-    config = make_config(tmp_path)
+    config = buffer_config(tmp_path)
     ExperienceWriter(config).write([make_row("first")])
     real_write = writer_module.write_deltalake
     calls: list[tuple[str, ...]] = []

@@ -11,7 +11,7 @@ from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.buffer import make_config, make_row
+from tests.support.buffer import buffer_config, make_row
 from trinity_dagster.buffer import ExperienceWriter
 from trinity_dagster.paths import RunPaths
 
@@ -104,7 +104,7 @@ def _as_stored(row: dict[str, Any]) -> dict[str, Any]:
 )
 @given(batch=batches())
 def test_every_row_is_stored_unchanged_or_quarantined(tmp_path_factory, batch):
-    config = make_config(tmp_path_factory.mktemp("prop"))
+    config = buffer_config(tmp_path_factory.mktemp("prop"))
     report = ExperienceWriter(config).write(batch)
     assert report.written + report.quarantined == len(batch)
     rejected = {r.index for r in report.reasons}

@@ -33,7 +33,7 @@ WORKER = """
 import json, sys
 from pathlib import Path
 import torch
-from tests.engine_workers.train_common import make_batch, make_config
+from tests.engine_workers.train_common import make_batch, engine_config
 from trinity_dagster.checkpoint.manager import CheckpointManager
 from trinity_dagster.engine.engine import TrainEngine
 from trinity_dagster.paths import RunPaths
@@ -41,7 +41,7 @@ from trinity_dagster.paths import RunPaths
 def main():
     phase, hf_dir, root, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(root)
+    config = engine_config(root)
     engine = TrainEngine(config, hf_dir)
     manager = CheckpointManager(config, RunPaths.of(config.run_root), engine)
     try:
@@ -131,7 +131,7 @@ import json, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from tests.engine_workers.train_common import make_batch, make_config
+from tests.engine_workers.train_common import make_batch, engine_config
 from trinity_dagster.engine import async_save
 from trinity_dagster.engine.engine import TrainEngine
 
@@ -146,7 +146,7 @@ def main():
         validated.append(kwargs["validate_access_integrity"])
         return save(*args, **kwargs)
     async_save.dist_checkpointing.save = spy
-    engine = TrainEngine(make_config(root, **{"megatron.tensor_model_parallel_size": tp}), hf_dir)
+    engine = TrainEngine(engine_config(root, **{"megatron.tensor_model_parallel_size": tp}), hf_dir)
     engine._async_saves.close()
     engine._async_saves = async_save.SaveQueue(writer)
     try:

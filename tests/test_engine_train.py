@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine_workers.train_common import make_batch, make_config, make_hf_dir
+from tests.engine_workers.train_common import engine_config, make_batch, make_hf_dir
 from trinity_dagster.engine.batch_check import BatchError, check_batch
 from trinity_dagster.engine.state import EngineStateError, read_engine_state
 from trinity_dagster.testing import free_port
@@ -358,7 +358,7 @@ def test_incomplete_state_dir_is_refused(tmp_path: Path):
 def test_cosine_schedule_with_warmup_follows_the_formula(tmp_path: Path):
     from trinity_dagster.engine.optim import build_scheduler
 
-    cfg = make_config(
+    cfg = engine_config(
         tmp_path,
         **{
             "trainer.optim.lr_scheduler": "cosine",

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
-from tests.support.buffer import make_config, make_row, make_rows
+from tests.support.buffer import buffer_config, make_row, make_rows
 from trinity_dagster import cli
 from trinity_dagster.buffer.sampler import pin_batch
 from trinity_dagster.buffer.writer import ExperienceWriter
@@ -55,7 +55,7 @@ def lineage(capsys: pytest.CaptureFixture[str], root: Path, *args: str) -> tuple
 @pytest.fixture
 def run(tmp_path: Path) -> TrinityConfig:
     """Three explore steps (weights 0, 1, 2) and two trained steps of 4 rows each."""
-    config = make_config(tmp_path / "run")
+    config = buffer_config(tmp_path / "run")
     for step in (1, 2, 3):
         explore(config, step, version=step - 1)
     train(config, 1)
@@ -172,7 +172,7 @@ def test_the_steps_table_is_compacted_as_it_grows(
 def test_dropped_stale_rows_are_consumed_not_trained(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = make_config(
+    config = buffer_config(
         tmp_path / "run", train_batch_size=2, sample_strategy="staleness_control", max_staleness=1
     )
     writer = ExperienceWriter(config)

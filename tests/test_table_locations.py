@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from deltalake import DeltaTable
 
-from tests.support.buffer import make_config, make_rows
+from tests.support.buffer import buffer_config, make_rows
 from trinity_dagster.buffer import ExperienceWriter, PinResult, pin_batch
 from trinity_dagster.buffer.maintenance import compact
 from trinity_dagster.buffer.reader import load_step_batch
@@ -28,7 +28,7 @@ def test_experiences_are_written_pinned_and_read_through_a_file_uri(tmp_path: Pa
     tables = tmp_path / "shared" / "tables"
     uri = tables.as_uri()
     assert uri.startswith("file:///")
-    config = make_config(tmp_path / "run", tables_root=uri)
+    config = buffer_config(tmp_path / "run", tables_root=uri)
     paths = RunPaths.of_config(config)
     assert paths.experiences == f"{uri}/experiences"
 
@@ -116,7 +116,7 @@ ADDRESSABLE_NAMES = {
 def test_tables_under_a_root_with_special_characters_land_in_that_directory(tmp_path, case):
     name = ADDRESSABLE_NAMES[case]
     root = tmp_path / name / "run"
-    config = make_config(root)
+    config = buffer_config(root)
     _write_pin_read(config)
     for table in ("experiences", "batches", "quarantine"):
         assert (root / table / "_delta_log" / "00000000000000000000.json").is_file()
@@ -129,7 +129,9 @@ def test_tables_under_a_root_with_special_characters_land_in_that_directory(tmp_
 @pytest.mark.parametrize("via_uri", [False, True], ids=["path", "file-uri"])
 def test_a_tables_root_with_special_characters_works_as_a_file_uri_too(tmp_path, via_uri):
     tables = tmp_path / "shared tables #1 ü"
-    config = make_config(tmp_path / "run", tables_root=tables.as_uri() if via_uri else str(tables))
+    config = buffer_config(
+        tmp_path / "run", tables_root=tables.as_uri() if via_uri else str(tables)
+    )
     _write_pin_read(config)
     assert {p.name for p in tables.iterdir()} == {"experiences", "batches", "quarantine"}
     assert [p.name for p in tmp_path.iterdir()] == [tables.name]  # none under the run root
@@ -156,7 +158,7 @@ def test_a_root_delta_lake_cannot_address_is_refused_before_anything_is_written(
     with pytest.raises(
         ConfigError, match=rf"run_root: .* contains {re.escape(shown)}, which Delta"
     ):
-        make_config(root)
+        buffer_config(root)
     # and the table layer refuses such a location from any other caller
     location = RunPaths.of(root).experiences
     refused = rf"contains {re.escape(shown)}, which Delta Lake cannot address"
@@ -172,6 +174,6 @@ def test_a_safe_link_to_an_unaddressable_directory_is_refused_too(tmp_path):
     link = tmp_path / "run"
     link.symlink_to(real)
     with pytest.raises(ConfigError, match=r"run_root: .* contains '\^'"):
-        make_config(link)
+        buffer_config(link)
     with pytest.raises(ValueError, match=r"real path '.*run\^1/experiences'"):
         open_or_create(RunPaths.of(link).experiences, INPUT_SCHEMA)

@@ -1,7 +1,8 @@
 """The trainer loop serves control requests (save, sync, pause, stop) from Dagster runs.
 
-The loop runs in a thread over the fake engine of `test_trainer_loop` and real Delta batches;
-the test plays the asking run through `trinity_dagster.handoff.control`, as the UI's runs do.
+The loop runs in a thread over the fake engine of `tests/support/trainer_loop.py` and real
+Delta batches; the test plays the asking run through `trinity_dagster.handoff.control`, as the
+UI's runs do.
 """
 
 from __future__ import annotations
@@ -16,13 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_trainer_loop import (
-    FakeEngine,
-    RecordingHook,
-    _no_initial_model,  # noqa: F401 - the autouse fixture applies here too
-    _start_in_thread,
-    make_config,
-)
+from tests.support.trainer_loop import FakeEngine, RecordingHook, loop_config, start_in_thread
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.handoff import control
 from trinity_dagster.handoff.end_of_data import mark_end_of_data
@@ -30,6 +25,8 @@ from trinity_dagster.handoff.trainer_state import STOPPED, read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.testing import fill_buffer
 from trinity_dagster.trainer import Trainer
+
+pytestmark = pytest.mark.usefixtures("no_initial_model")
 
 
 def ask(paths: RunPaths, request_id: str, action: control.Action, **kw: Any) -> dict[str, Any]:
@@ -62,11 +59,11 @@ class Loop:
 @pytest.fixture
 def loop(tmp_path: Path) -> Iterator[Loop]:
     """A loop of 5 steps (no scheduled save, no scheduled sync) waiting for step 2's data."""
-    config = make_config(tmp_path, total_steps=5, sync_interval=100, save_hf_checkpoint="last")
+    config = loop_config(tmp_path, total_steps=5, sync_interval=100, save_hf_checkpoint="last")
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 1)
     engine, hook = FakeEngine(), RecordingHook()
-    thread, outcome = _start_in_thread(Trainer(config, engine=engine, hook=hook))
+    thread, outcome = start_in_thread(Trainer(config, engine=engine, hook=hook))
     hook.wait_for_step(1)
     yield Loop(config, paths, engine, hook, thread, outcome)
     mark_end_of_data(paths, "e0", "test over")  # never leave the thread waiting

@@ -9,7 +9,6 @@ of the trainer code.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,173 +16,23 @@ from typing import Any
 import pytest
 
 import trinity_dagster.testing as testing
+from tests.support.trainer_loop import (
+    Event,
+    FakeEngine,
+    PublishFailed,
+    RecordingHook,
+    loop_config,
+    start_in_thread,
+)
 from trinity_dagster.buffer.sampler import PinResult
-from trinity_dagster.config import TrinityConfig
 from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.sync_requests import is_answered, pending_requests, request_sync
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.testing import fill_buffer, tiny_config
-from trinity_dagster.trainer import SyncWithheldError, TrainEngineWrapper, Trainer, TrainerHook
+from trinity_dagster.testing import fill_buffer
+from trinity_dagster.trainer import SyncWithheldError, Trainer
 
-Event = tuple[Any, ...]
-
-
-@pytest.fixture(autouse=True)
-def _no_initial_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Synthetic experiences need only a vocabulary size, not the tiny torch model."""
-    monkeypatch.setattr(testing, "vocab_size", lambda config: 96)
-
-
-class PublishFailed(RuntimeError):
-    """Injected: the engine failed while publishing weights (after the weights update)."""
-
-
-class FakeEngine(TrainEngineWrapper):
-    """Records the loop's calls; answers like the engine service does."""
-
-    def __init__(
-        self,
-        *,
-        step: int = 0,
-        last_sync_step: int = 0,
-        health_problems: dict[int, list[str]] | None = None,
-        fail_publish_at: int | None = None,
-    ) -> None:
-        self.step = step
-        self.synced = last_sync_step
-        self.health_problems = health_problems or {}
-        self.fail_publish_at = fail_publish_at
-        self.events: list[Event] = []
-        self.batches: dict[int, list[str]] = {}
-        self.prepared = 0
-        self.closed = 0
-        self._lock = threading.Lock()
-
-    def prepare(self) -> None:
-        self.prepared += 1
-
-    @property
-    def train_step_num(self) -> int:
-        return self.step
-
-    @property
-    def last_sync_step(self) -> int:
-        return self.synced
-
-    def train_step(self, batch: PinResult) -> dict[str, Any]:
-        assert batch.step == self.step + 1, f"step {batch.step} trained after {self.step}"
-        assert batch.eids and len(set(batch.eids)) == len(batch.eids)
-        self.step = batch.step
-        self.batches[batch.step] = list(batch.eids)
-        self._record(("train", batch.step))
-        return {
-            "step": batch.step,
-            "metrics": {"actor/pg_loss": 0.1 * batch.step, "actor/grad_norm": 1.0},
-            "batch_size": len(batch.eids),
-            "parent_step": batch.step - 1,
-            "health_problems": list(self.health_problems.get(batch.step, [])),
-            "already_trained": False,
-            "replayed": [],
-        }
-
-    def save_checkpoint(
-        self,
-        block_until_saved: bool = False,
-        save_as_hf: bool = False,
-        serves_as_sync: bool = False,
-    ) -> dict[str, Any]:
-        self._record(("save", self.step, block_until_saved, save_as_hf, serves_as_sync))
-        if serves_as_sync:
-            self.synced = self.step
-        return {"step": self.step, "pending": not block_until_saved}
-
-    def save_state_dict(self) -> dict[str, Any]:
-        if self.step == self.fail_publish_at:
-            self.fail_publish_at = None  # only the first attempt fails
-            self._record(("publish failed", self.step))
-            raise PublishFailed(f"publishing weights of step {self.step} failed")
-        self._record(("publish", self.step))
-        self.synced = self.step
-        return {"version": self.step}
-
-    def sync_weight_nccl(self) -> dict[str, Any]:
-        raise AssertionError("sync_method nccl is not configured")
-
-    def upload_state_dict(self) -> dict[str, Any]:
-        raise AssertionError("sync_method memory is not configured")
-
-    def close(self) -> None:
-        self.closed += 1
-
-    def _record(self, event: Event) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def of_kind(self, kind: str) -> list[Event]:
-        with self._lock:
-            return [e for e in self.events if e[0] == kind]
-
-
-class RecordingHook(TrainerHook):
-    def __init__(self) -> None:
-        self.batches: list[int] = []
-        self.steps: list[int] = []
-        self.syncs: list[int] = []
-        self.records: list[dict[str, Any]] = []
-        self.metrics: list[dict[str, Any]] = []
-        self.step_done = threading.Condition()
-
-    def on_batch(self, step: int, batch: PinResult) -> None:
-        assert batch.step == step
-        self.batches.append(step)
-
-    def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
-        with self.step_done:
-            self.steps.append(step)
-            self.records.append(record)
-            self.metrics.append(metrics)
-            self.step_done.notify_all()
-
-    def on_sync(self, step: int, info: dict[str, Any]) -> None:
-        self.syncs.append(step)
-
-    def wait_for_step(self, step: int, timeout: float = 20.0) -> None:
-        with self.step_done:
-            assert self.step_done.wait_for(lambda: step in self.steps, timeout), (
-                f"step {step} not trained within {timeout} s: {self.steps}"
-            )
-
-
-def make_config(
-    tmp_path: Path,
-    *,
-    total_steps: int | None,
-    save_interval: int = 0,
-    sync_interval: int = 1,
-    save_hf_checkpoint: str = "last",
-    sync_style: str = "fixed",
-    read_timeout_s: float = 30.0,
-    sft_warmup_steps: int = 0,
-) -> TrinityConfig:
-    config, _ = tiny_config(
-        tmp_path,
-        {
-            "trainer": {
-                "total_steps": total_steps,
-                "save_interval": save_interval,
-                "save_hf_checkpoint": save_hf_checkpoint,
-                "sft_warmup_steps": sft_warmup_steps,
-            },
-            "synchronizer": {
-                "sync_method": "checkpoint",
-                "sync_style": sync_style,
-                "sync_interval": sync_interval,
-            },
-            "buffer": {"read_timeout_s": read_timeout_s},
-        },
-    )
-    return config
+pytestmark = pytest.mark.usefixtures("no_initial_model")
 
 
 def expected_events(
@@ -219,7 +68,7 @@ def run_trainer(trainer: Trainer, last_step: int | None = None) -> str:
 def test_schedule_of_saves_and_syncs(
     tmp_path: Path, total_steps: int, save_interval: int, sync_interval: int, save_hf: str
 ) -> None:
-    config = make_config(
+    config = loop_config(
         tmp_path,
         total_steps=total_steps,
         save_interval=save_interval,
@@ -267,7 +116,7 @@ def test_the_sft_warmups_last_step_is_checkpointed(
 ) -> None:
     """The SFT model is kept: its step is saved (with HF weights unless `never`) when RL
     steps follow it; a run that is all warm-up just takes the final save."""
-    config = make_config(
+    config = loop_config(
         tmp_path,
         total_steps=6,
         save_interval=4,
@@ -313,7 +162,7 @@ def test_each_step_logs_trinitys_sample_and_sync_interval_metrics(tmp_path: Path
     from trinity_dagster.buffer.reader import load_step_batch
     from trinity_dagster.buffer.writer import ExperienceWriter
 
-    config = make_config(tmp_path, total_steps=3, sync_interval=1, read_timeout_s=5.0)
+    config = loop_config(tmp_path, total_steps=3, sync_interval=1, read_timeout_s=5.0)
     groups = 3 * config.buffer.train_batch_size // config.algorithm.repeat_times
     rows = testing.synthetic_rows(config, groups, seed=0)
     for row in rows:  # two groups per task, versions 0..2 across groups
@@ -348,7 +197,7 @@ class MemorySyncEngine(FakeEngine):
 def test_the_final_weights_reach_disk_when_their_step_was_not_synced(tmp_path: Path) -> None:
     """total_steps 5 with sync_interval 2: step 5 is never a due sync, yet its weights are
     published on disk after the final save, so the evaluation after training scores them."""
-    config = make_config(tmp_path, total_steps=5, sync_interval=2, read_timeout_s=5.0)
+    config = loop_config(tmp_path, total_steps=5, sync_interval=2, read_timeout_s=5.0)
     config.synchronizer.sync_method = "memory"
     fill_buffer(config, 5)
     engine = MemorySyncEngine()
@@ -361,7 +210,7 @@ def test_the_final_weights_reach_disk_when_their_step_was_not_synced(tmp_path: P
 
 @pytest.mark.parametrize("save_hf", ["always", "last", "never"])
 def test_end_of_data_stops_early_with_final_save(tmp_path: Path, save_hf: str) -> None:
-    config = make_config(
+    config = loop_config(
         tmp_path, total_steps=6, save_interval=4, sync_interval=2, save_hf_checkpoint=save_hf
     )
     paths = RunPaths.of(config.run_root)
@@ -387,7 +236,7 @@ def test_end_of_data_stops_early_with_final_save(tmp_path: Path, save_hf: str) -
 
 
 def test_without_total_steps_the_loop_trains_until_the_data_ends(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=None, save_interval=2, sync_interval=1)
+    config = loop_config(tmp_path, total_steps=None, save_interval=2, sync_interval=1)
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 5)
     mark_end_of_data(paths, "explorer-0", "task set used up (buffer.total_epochs)")
@@ -408,7 +257,7 @@ def test_without_total_steps_the_loop_trains_until_the_data_ends(tmp_path: Path)
 
 def test_end_of_data_at_a_save_step_blocks_once(tmp_path: Path) -> None:
     """Data ends right after a periodic save: the final blocking save is the only blocking one."""
-    config = make_config(tmp_path, total_steps=6, save_interval=2, sync_interval=1)
+    config = loop_config(tmp_path, total_steps=6, save_interval=2, sync_interval=1)
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 2)
     mark_end_of_data(paths, "explorer-0", "done")
@@ -425,7 +274,7 @@ def test_end_of_data_at_a_save_step_blocks_once(tmp_path: Path) -> None:
 
 
 def test_end_of_data_before_any_step(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=3)
+    config = loop_config(tmp_path, total_steps=3)
     paths = RunPaths.of(config.run_root)
     mark_end_of_data(paths, "explorer-0", "no tasks")
     engine = FakeEngine()
@@ -439,7 +288,7 @@ def test_end_of_data_before_any_step(tmp_path: Path) -> None:
 
 
 def test_read_timeout_stops_early(tmp_path: Path) -> None:
-    config = make_config(
+    config = loop_config(
         tmp_path, total_steps=5, save_interval=0, save_hf_checkpoint="never", read_timeout_s=0.5
     )
     fill_buffer(config, 2)
@@ -464,7 +313,7 @@ def test_read_timeout_stops_early(tmp_path: Path) -> None:
 
 
 def test_last_step_stops_without_final_save_then_resumes(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
+    config = loop_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
     fill_buffer(config, 4)
     engine = FakeEngine()
 
@@ -478,7 +327,7 @@ def test_last_step_stops_without_final_save_then_resumes(tmp_path: Path) -> None
 
 
 def test_explorer_request_synced_at_next_step_boundary(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=4, sync_style="explorer_driven", sync_interval=1)
+    config = loop_config(tmp_path, total_steps=4, sync_style="explorer_driven", sync_interval=1)
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 4)
     engine = FakeEngine()
@@ -509,7 +358,7 @@ def test_explorer_request_synced_at_next_step_boundary(tmp_path: Path) -> None:
 
 
 def test_explorer_request_at_final_step_is_served_by_final_save(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=2, sync_style="explorer_driven")
+    config = loop_config(tmp_path, total_steps=2, sync_style="explorer_driven")
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 2)
     engine = FakeEngine()
@@ -528,20 +377,6 @@ def test_explorer_request_at_final_step_is_served_by_final_save(tmp_path: Path) 
     assert is_answered(written[0])
 
 
-def _start_in_thread(trainer: Trainer) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["reason"] = asyncio.run(trainer.run())
-        except BaseException as err:  # handed to the test thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, outcome
-
-
 def _wait_answered(path: Path, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not is_answered(path):
@@ -550,11 +385,11 @@ def _wait_answered(path: Path, timeout: float = 20.0) -> None:
 
 
 def test_request_answered_while_trainer_waits_for_data(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=2, sync_style="explorer_driven")
+    config = loop_config(tmp_path, total_steps=2, sync_style="explorer_driven")
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 1)
     engine, hook = FakeEngine(), RecordingHook()
-    thread, outcome = _start_in_thread(Trainer(config, engine=engine, hook=hook))
+    thread, outcome = start_in_thread(Trainer(config, engine=engine, hook=hook))
     try:
         hook.wait_for_step(1)
         time.sleep(0.2)  # the trainer is now waiting for step 2's batch
@@ -588,7 +423,7 @@ def test_request_answered_while_trainer_waits_for_data(tmp_path: Path) -> None:
 
 
 def test_withheld_sync_fails_the_run(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
+    config = loop_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
     fill_buffer(config, 4)
     engine = FakeEngine(health_problems={2: ["actor/grad_norm is nan"]})
 
@@ -609,7 +444,7 @@ def test_withheld_sync_fails_the_run(tmp_path: Path) -> None:
 
 
 def test_withheld_sync_by_a_save_serving_as_sync(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=4, save_interval=2, sync_interval=2)
+    config = loop_config(tmp_path, total_steps=4, save_interval=2, sync_interval=2)
     fill_buffer(config, 4)
     engine = FakeEngine(health_problems={2: ["loss is inf"]})
 
@@ -623,7 +458,7 @@ def test_withheld_sync_by_a_save_serving_as_sync(tmp_path: Path) -> None:
 
 
 def test_the_final_checkpoint_is_kept_when_its_weights_are_withheld(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=2, save_interval=0, sync_interval=1)
+    config = loop_config(tmp_path, total_steps=2, save_interval=0, sync_interval=1)
     fill_buffer(config, 2)
     engine = FakeEngine(health_problems={2: ["actor/ppo_kl=9 outside [-1, 1]"]})
 
@@ -635,7 +470,7 @@ def test_the_final_checkpoint_is_kept_when_its_weights_are_withheld(tmp_path: Pa
 
 
 def test_health_problems_off_sync_steps_do_not_stop_training(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
+    config = loop_config(tmp_path, total_steps=4, save_interval=0, sync_interval=2)
     fill_buffer(config, 4)
     engine = FakeEngine(health_problems={1: ["kl out of bound"], 3: ["kl out of bound"]})
 
@@ -646,7 +481,7 @@ def test_health_problems_off_sync_steps_do_not_stop_training(tmp_path: Path) -> 
 
 
 def test_retry_after_error_following_the_weights_update(tmp_path: Path) -> None:
-    config = make_config(tmp_path, total_steps=4, save_interval=0, sync_interval=1)
+    config = loop_config(tmp_path, total_steps=4, save_interval=0, sync_interval=1)
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 4)
     engine = FakeEngine(fail_publish_at=2)
@@ -682,7 +517,7 @@ def test_retry_after_error_following_the_weights_update(tmp_path: Path) -> None:
 
 def test_retry_of_a_run_that_trained_the_final_step(tmp_path: Path) -> None:
     """A run killed after training the last step: the retry makes only the final save."""
-    config = make_config(tmp_path, total_steps=2, save_interval=0, sync_interval=1)
+    config = loop_config(tmp_path, total_steps=2, save_interval=0, sync_interval=1)
     fill_buffer(config, 2)
     engine = FakeEngine(step=2, last_sync_step=1)
 

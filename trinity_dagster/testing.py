@@ -3,6 +3,7 @@ batches, and a free port on loopback. Not used by training itself."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import socket
@@ -13,8 +14,9 @@ from typing import Any
 
 import yaml
 
-from trinity_dagster.config import TrinityConfig, load_config
+from trinity_dagster.config import TrinityConfig, config_from_dict, load_config
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.trinity_keys import set_dotted
 
 TINY: dict[str, Any] = {
     "model": {
@@ -53,6 +55,18 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     for key, value in extra.items():
         out[key] = merge(out[key], value) if isinstance(value, dict) and key in out else value
     return out
+
+
+def config_at(
+    root: Path, sections: dict[str, Any], overrides: dict[str, Any] | None = None
+) -> TrinityConfig:
+    """`sections` (nested, as in a YAML file) with run root `root` and `overrides` (dotted
+    keys, as `--set` takes them): the one way the tests build a config in memory."""
+    data = copy.deepcopy(sections)
+    data["run_root"] = str(root)
+    for dotted, value in (overrides or {}).items():
+        set_dotted(data, dotted, value)
+    return config_from_dict(data)
 
 
 def tiny_config(tmp_path: Path, extra: dict[str, Any] | None = None) -> tuple[TrinityConfig, Path]:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from trinity_dagster.config import TrinityConfig, config_from_dict
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.testing import config_at
 
 VOCAB = 99  # odd: the vocabulary is padded under tensor parallelism
 PROMPT = 6
@@ -37,33 +38,29 @@ def make_hf_dir(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2)
     return path
 
 
-def make_config(tmp: Path, **overrides: Any) -> TrinityConfig:
-    """A config for the tiny model: 8 rows in groups of 4, micro-batches of 2."""
-    data: dict[str, Any] = {
-        "run_root": str(tmp / "run"),
-        "model": {
-            "max_prompt_tokens": PROMPT,
-            "max_response_tokens": RESPONSE,
-            "max_position_embeddings": 64,
-        },
-        "algorithm": {"repeat_times": 4, "clip_range_low": 0.2, "clip_range_high": 0.28},
-        "buffer": {"train_batch_size": 8},
-        "trainer": {
-            "micro_batch_size": 2,
-            "seed": 7,
-            "total_steps": 10,
-            "sft_warmup_steps": 0,  # RL from step 1; tests that need SFT steps ask for them
-            "sft_lr": None,
-            "optim": {"lr": 1e-2},
-        },
-    }
-    for dotted, value in overrides.items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return config_from_dict(data)
+ENGINE_RUN: dict[str, Any] = {
+    "model": {
+        "max_prompt_tokens": PROMPT,
+        "max_response_tokens": RESPONSE,
+        "max_position_embeddings": 64,
+    },
+    "algorithm": {"repeat_times": 4, "clip_range_low": 0.2, "clip_range_high": 0.28},
+    "buffer": {"train_batch_size": 8},
+    "trainer": {
+        "micro_batch_size": 2,
+        "seed": 7,
+        "total_steps": 10,
+        "sft_warmup_steps": 0,  # RL from step 1; tests that need SFT steps ask for them
+        "sft_lr": None,
+        "optim": {"lr": 1e-2},
+    },
+}
+
+
+def engine_config(tmp: Path, **overrides: Any) -> TrinityConfig:
+    """A config for the tiny model under `tmp/run`: 8 rows in groups of 4, micro-batches of 2;
+    `overrides` in dotted keys."""
+    return config_at(tmp / "run", ENGINE_RUN, overrides)
 
 
 def make_batch(seed: int, rows: int = 8, group: int = 4) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.engine_workers.train_common import make_batch, make_config, write_json
+from tests.engine_workers.train_common import engine_config, make_batch, write_json
 from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import StepOrderError, TrainEngine
 
@@ -50,7 +50,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(out, **spec.get("overrides", {}))
+    config = engine_config(out, **spec.get("overrides", {}))
     engine = TrainEngine(config, Path(spec["hf_dir"]))
     rank0 = engine.parallel.rank == 0
     try:

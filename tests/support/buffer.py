@@ -6,21 +6,22 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from trinity_dagster.config import TrinityConfig, config_from_dict
+from trinity_dagster.config import TrinityConfig
+from trinity_dagster.testing import config_at
+
+BUFFER_RUN: dict[str, Any] = {
+    "algorithm": {"repeat_times": 2},
+    "buffer": {"train_batch_size": 4, "batch_unit": "rows"},
+    "trainer": {"micro_batch_size": 1},
+}
 
 
-def make_config(root: Path, **buffer: Any) -> TrinityConfig:
-    """A config rooted at `root` with groups of 2 and the given buffer settings."""
-    repeat = buffer.pop("repeat_times", 2)
-    settings = {"train_batch_size": 4, "batch_unit": "rows", **buffer}
-    return config_from_dict(
-        {
-            "run_root": str(root),
-            "algorithm": {"repeat_times": repeat},
-            "buffer": settings,
-            "trainer": {"micro_batch_size": 1},
-        }
-    )
+def buffer_config(root: Path, **buffer: Any) -> TrinityConfig:
+    """A config rooted at `root` with groups of 2 (`repeat_times`) and the given buffer keys."""
+    overrides = {f"buffer.{key}": value for key, value in buffer.items() if key != "repeat_times"}
+    if "repeat_times" in buffer:
+        overrides["algorithm.repeat_times"] = buffer["repeat_times"]
+    return config_at(root, BUFFER_RUN, overrides)
 
 
 def make_row(
