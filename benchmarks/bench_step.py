@@ -59,7 +59,9 @@ def _rollout_metadata(instance: Any) -> dict[int, dict[str, Any]]:
     return found
 
 
-def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str, Any]:
+def run_method(
+    method: str, root: Path, sft_steps: int, steps: int, sync_offset: int = 0
+) -> dict[str, Any]:
     """`run_training` with `method`; the step's wall time and its parts, as medians."""
     from trinity_dagster.commands.training_run import run_training
 
@@ -72,6 +74,7 @@ def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str,
             "trainer.sft_warmup_steps": sft_steps,
             "trainer.save_interval": 0,
             "synchronizer.sync_method": method,
+            "synchronizer.sync_offset": sync_offset,
         },
     )
     paths = RunPaths.of_config(config)
@@ -109,6 +112,7 @@ def run_method(method: str, root: Path, sft_steps: int, steps: int) -> dict[str,
     compute_s = generate_s + train_s
     return {
         "sync_method": method,
+        "sync_offset": sync_offset,
         "grpo_steps": steps,
         "step_s": round(step_s, 4),
         "compute_s": round(compute_s, 4),
@@ -136,6 +140,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per sync method")
     parser.add_argument("--sft-steps", type=int, default=2, help="SFT warm-up steps (excluded)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per sync method")
+    parser.add_argument(
+        "--sync-offset", type=int, default=0, help="explore steps the explorer may run ahead"
+    )
     parser.add_argument("--keep", type=Path, help="keep the run roots under this directory")
     parser.add_argument("--method", choices=SYNC_METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
@@ -143,13 +150,18 @@ def main() -> None:
     if args.steps < 3:
         parser.error("--steps must be >= 3")
     if args.method:
-        print(json.dumps(run_method(args.method, args.root, args.sft_steps, args.steps)))
+        print(
+            json.dumps(
+                run_method(args.method, args.root, args.sft_steps, args.steps, args.sync_offset)
+            )
+        )
         return
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         base = args.keep or Path(tmp)
         for method in SYNC_METHODS:
             extra = ["--steps", str(args.steps), "--sft-steps", str(args.sft_steps)]
+            extra += ["--sync-offset", str(args.sync_offset)]
             found = run_isolated(
                 MODULE, "method", method, base / f"{method}-run", extra, args.timeout_s
             )
