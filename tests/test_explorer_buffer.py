@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 
@@ -14,6 +15,7 @@ from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.demonstrations import demonstration_rows
 from trinity_dagster.explorer.explorer import Explorer
+from trinity_dagster.explorer.loop import rows_for_writer
 from trinity_dagster.paths import RunPaths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,3 +52,32 @@ def test_rows_are_accepted_by_the_writer_and_read_back(tmp_path: Path) -> None:
     pinned = pin_batch(cfg, 1)
     assert isinstance(pinned, PinResult)
     assert sorted(pinned.eids) == sorted(r["eid"] for r in explored + demos[:20])
+
+
+def test_the_explorers_rows_go_to_the_writer_as_one_table_with_the_same_outcome(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(None, {"run_root": str(tmp_path / "run"), "buffer.train_batch_size": 16})
+    rows = demonstration_rows(cfg, n=16, seed=3)
+    rows[2]["reward"] = float("nan")  # a reward function's NaN
+    rows[5]["logprobs"] = [float("inf")] * len(rows[5]["logprobs"])
+    table = rows_for_writer(rows)
+    assert isinstance(table, pa.Table) and table.num_rows == 16
+
+    outcomes = []
+    for name, given in (("as_rows", rows), ("as_table", table)):
+        run = load_config(None, {"run_root": str(tmp_path / name)})
+        report = ExperienceWriter(run).write(given, explore_step=1)
+        stored = DeltaTable(str(RunPaths.of(run.run_root).experiences)).to_pyarrow_table()
+        reasons = [(r.index, r.eid, r.field) for r in report.reasons]  # wording may differ
+        outcomes.append((stored.drop_columns(["ingest_seq"]).to_pylist(), reasons))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1] == [
+        (2, rows[2]["eid"], "reward"),
+        (5, rows[5]["eid"], "logprobs"),
+    ]
+
+    rows[7]["tokens"] = [*rows[7]["tokens"][:-1], 2**40]  # no int32 holds it: row by row
+    assert rows_for_writer(rows) is rows
+    report = ExperienceWriter(load_config(None, {"run_root": str(tmp_path / "big")})).write(rows)
+    assert (rows[7]["eid"], "tokens") in [(r.eid, r.field) for r in report.reasons]
