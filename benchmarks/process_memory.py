@@ -9,24 +9,33 @@ from types import TracebackType
 import psutil
 
 
-def total_pss(processes: list[psutil.Process]) -> int:
-    """The summed proportional set size (bytes) of `processes`; those gone are skipped.
+def pss_by_process(processes: list[psutil.Process]) -> dict[str, float]:
+    """The proportional set size (MB) of each of `processes` by a short label of its command
+    line; those gone are skipped.
 
-    PSS splits each shared page between the processes mapping it, so the sum counts shared
+    PSS splits each shared page between the processes mapping it, so a sum counts shared
     libraries and torch's memory once, where a sum of RSS counts them once per process.
     """
-    total = 0
+    found: dict[str, float] = {}
     for process in processes:
         try:
-            total += process.memory_full_info().pss
+            pss = process.memory_full_info().pss / 2**20
+            label = f"{process.pid} {_label(process.cmdline())}"
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return total
+        found[label] = round(pss, 1)
+    return found
+
+
+def _label(cmdline: list[str]) -> str:
+    """The program and its first arguments, paths shortened to their last part."""
+    words = [word.rsplit("/", 1)[-1] for word in cmdline[:6] if not word.startswith("--")]
+    return " ".join(words)[:90]
 
 
 class PeakPss:
     """Within: samples the PSS of this process, its descendants and `extra()` every
-    `interval_s`; `peak_mb` is the largest sum seen."""
+    `interval_s`; `peak_mb` is the largest sum seen and `at_peak` its parts by process."""
 
     def __init__(
         self,
@@ -38,6 +47,7 @@ class PeakPss:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self.peak_mb = 0.0
+        self.at_peak: dict[str, float] = {}
 
     def __enter__(self) -> PeakPss:
         self._thread.start()
@@ -56,5 +66,7 @@ class PeakPss:
         me = psutil.Process()
         while not self._stop.is_set():
             found = {p.pid: p for p in [me, *me.children(recursive=True), *self._extra()]}
-            self.peak_mb = max(self.peak_mb, total_pss(list(found.values())) / 2**20)
+            parts = pss_by_process(list(found.values()))
+            if sum(parts.values()) > self.peak_mb:
+                self.peak_mb, self.at_peak = sum(parts.values()), parts
             self._stop.wait(self._interval_s)
