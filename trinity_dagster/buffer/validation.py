@@ -6,7 +6,7 @@ import datetime as dt
 import json
 import math
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -417,9 +417,10 @@ def semantic_checks(
     table: pa.Table,
     max_model_len: int,
     known_versions: set[int] | None,
-    existing_eids: set[str],
+    existing_eids: Collection[str],
 ) -> list[tuple[str, str] | None]:
-    """Per row: None if valid, else (field, reason) for its first problem."""
+    """Per row: None if valid, else (field, reason) for its first problem. `existing_eids`
+    holds (at least) the eids of the table's rows that are stored already."""
     n = table.num_rows
     problems: list[tuple[str, str] | None] = [None] * n
 

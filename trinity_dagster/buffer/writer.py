@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
+from trinity_dagster.buffer.eid_index import EidIndex
 from trinity_dagster.buffer.quarantine import QuarantineRecord, append_quarantine
 from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA, seq_floor
 from trinity_dagster.buffer.tables import (
@@ -77,7 +79,7 @@ class ExperienceWriter:
         self._max_len = config.model.max_model_len
         self._max_retries = config.buffer.writer_max_retries
         self._known_versions = known_versions
-        self._eids: set[str] = set()
+        self._eids = EidIndex()
         self._seen_files: set[str] = set()
 
     def write(
@@ -104,7 +106,8 @@ class ExperienceWriter:
         def attempt() -> None:
             delta = open_or_create(self._paths.experiences, EXPERIENCE_SCHEMA)
             self._refresh_eids(delta)
-            problems = semantic_checks(table, self._max_len, known, self._eids)
+            stored = _stored_among(delta, self._eids.candidates(_text_eids(table)))
+            problems = semantic_checks(table, self._max_len, known, stored)
             good = np.array([p is None for p in problems], dtype=bool)
             valid = table.filter(pa.array(good)) if table.num_rows else table
             version = delta.version() + 1
@@ -118,7 +121,7 @@ class ExperienceWriter:
                     writer_properties=writer_properties(),
                     commit_properties=CommitProperties(max_commit_retries=0, custom_metadata=info),
                 )
-                self._eids.update(valid.column("eid").to_pylist())
+                self._eids.add(valid.column("eid").to_pylist())
             outcome.update(problems=problems, written=valid.num_rows, version=version)
 
         retry_commits(attempt, self._max_retries, f"experience write to {self._paths.experiences}")
@@ -160,5 +163,19 @@ class ExperienceWriter:
         files = DataFiles(delta)
         for path in new:
             eids = files.open(path).to_table(columns=["eid"]).column("eid")
-            self._eids.update(eids.to_pylist())
+            self._eids.add(eids.to_pylist())
             self._seen_files.add(path)
+
+
+def _text_eids(table: pa.Table) -> list[str]:
+    """The eids of `table` that are text (a null eid is refused by the checks anyway)."""
+    return [eid for eid in table.column("eid").to_pylist() if isinstance(eid, str)]
+
+
+def _stored_among(delta: DeltaTable, eids: list[str]) -> set[str]:
+    """Those of `eids` that the table's snapshot `delta` holds (one scan of its eid column,
+    only when the index names candidates: a retried write, or a hash collision)."""
+    if not eids:
+        return set()
+    found = delta.to_pyarrow_dataset().to_table(columns=["eid"], filter=ds.field("eid").isin(eids))
+    return set(found.column("eid").to_pylist())
