@@ -1,7 +1,7 @@
 """Which eids the experiences table holds, in 8 bytes per eid.
 
 A writer checks every new row's eid against all the rows committed before. Python strings in
-a set take ~130 bytes an eid: 1 GB at 50,000 steps of 256 rows. The index keeps each eid's
+a set take ~120 bytes an eid: over 1 GB at 50,000 steps of 256 rows. The index keeps each eid's
 64-bit hash instead (Python's `hash`, so an index is only good in the process that built
 it) in a sorted array, and the writer confirms each hit against the table itself, so a new
 eid that shares a stored one's hash is still written.
