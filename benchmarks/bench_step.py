@@ -14,7 +14,7 @@ consecutive `train_step[N]` materialisations; medians are over the GRPO steps af
 - `end_s`: from the last trained step to the end of `run_training`: final save, HF export,
   evaluations, stopping the daemon (goal <= 10 s);
 - `peak_pss_mb`: the largest summed PSS of this process, all it started and the engine
-  service, sampled every 0.5 s (goal <= 1,200 MB), and `pss_at_peak_mb`, its parts;
+  service, sampled every 2 s (goal <= 1,200 MB), and `pss_at_peak_mb`, its parts;
 - `parts`: medians of the attributable non-compute parts: `read_experience` (trainer pins the
   batch), `engine_load_batch` (the engine reads it), `http_round_trip` (`train_step` call
   minus engine load and compute), `sync_weight`, `wait_weights` (explorer waits for the
