@@ -16,7 +16,7 @@ from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.explorer import explorer as explorer_module
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.explorer.generation import SamplingParams, choose_next_tokens
-from trinity_dagster.explorer.policy import load_policy
+from trinity_dagster.explorer.policy import load_policy, read_policy_weights
 from trinity_dagster.explorer.rewards import exact_match
 from trinity_dagster.paths import RunPaths
 
@@ -108,7 +108,7 @@ def test_same_step_same_rows_other_step_other_rows(tmp_path: Path) -> None:
     assert {r["group_id"] for r in other_explorer}.isdisjoint(r["group_id"] for r in first)
 
 
-def test_reloads_only_when_the_version_changes(
+def test_loads_once_and_updates_in_place_when_the_version_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg, paths = make(tmp_path)
@@ -119,25 +119,50 @@ def test_reloads_only_when_the_version_changes(
         model.model.embed_tokens.weight.mul_(3.0)  # version 1 is a different policy
     model.save_pretrained(str(v1))
     loads: list[int] = []
+    reads: list[int] = []
 
     def counting_load(p: RunPaths, version: int) -> torch.nn.Module:
         loads.append(version)
         return load_policy(p, version)
 
+    def counting_read(p: RunPaths, version: int) -> dict[str, torch.Tensor]:
+        reads.append(version)
+        return read_policy_weights(p, version)
+
     monkeypatch.setattr(explorer_module, "load_policy", counting_load)
+    monkeypatch.setattr(explorer_module, "read_policy_weights", counting_read)
     explorer = Explorer(cfg, paths)
     explorer.explore(1)
     explorer.explore(2, version=0)
-    assert loads == [0]
+    assert (loads, reads) == ([0], [])
+    loaded = explorer.policy(0)
     rows = explorer.explore(3, version=1)
-    assert loads == [0, 1] and {r["model_version"] for r in rows} == {1}
+    assert (loads, reads) == ([0], [1]) and {r["model_version"] for r in rows} == {1}
+    assert explorer.policy(1) is loaded  # the same model, its weights replaced
     reference = load_policy(paths, 1)
     assert recomputed_logprobs(reference, rows[0]) == pytest.approx(rows[0]["logprobs"], abs=1e-4)
     set_latest_weights_version(paths, 1)
     explorer.explore(4)
-    assert loads == [0, 1]
+    assert (loads, reads) == ([0], [1])
     explorer.explore(5, version=0)
-    assert loads == [0, 1, 0] and explorer.loaded_version == 0
+    assert (loads, reads) == ([0], [1, 0]) and explorer.loaded_version == 0
+    fresh = Explorer(cfg, paths).explore(5, version=0)
+    assert [r["logprobs"] for r in fresh] == [r["logprobs"] for r in explorer.explore(5, 0)]
+
+
+def test_a_failed_update_leaves_no_model_loaded(tmp_path: Path) -> None:
+    cfg, paths = make(tmp_path)
+    v1 = published_weights_dir(paths, 1)
+    shutil.copytree(published_weights_dir(paths, 0), v1)
+    explorer = Explorer(cfg, paths)
+    explorer.explore(1, version=0)
+    weights = v1 / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # torn
+    with pytest.raises(Exception, match="(?i)safetensor|header|deserializ"):
+        explorer.explore(2, version=1)
+    assert explorer.loaded_version == 0  # the read failed before the model was touched
+    rows = explorer.explore(3, version=0)
+    assert {r["model_version"] for r in rows} == {0}
 
 
 def test_bad_setups_are_clear_errors(tmp_path: Path) -> None:

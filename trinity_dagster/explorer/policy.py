@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trinity_dagster.checkpoint.layout import latest_weights_version, weights_dir
 from trinity_dagster.checkpoint.weights_holds import hold_weights
 from trinity_dagster.paths import RunPaths
+
+T = TypeVar("T")
 
 
 def resolve_version(paths: RunPaths, version: int | None) -> int:
@@ -29,14 +33,34 @@ def resolve_version(paths: RunPaths, version: int | None) -> int:
 
 
 def load_policy(paths: RunPaths, version: int) -> PreTrainedModel:
-    """The model of weights `version` in fp32 on the CPU, in eval mode.
+    """The model of weights `version` in fp32 on the CPU, in eval mode (see `_read_held`)."""
+    return _read_held(paths, version, load_policy_dir)
 
-    The version is held against pruning while it loads. A version pruned just before the
-    hold took effect is read from a kept checkpoint's export if there is one.
-    """
+
+def read_policy_weights(paths: RunPaths, version: int) -> dict[str, torch.Tensor]:
+    """The HF-named tensors of weights `version`, read from its safetensors files (see
+    `_read_held`): what `copy_weights_into` takes to update a loaded model in place."""
+    return _read_held(paths, version, read_weights_dir)
+
+
+def read_weights_dir(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in HF directory `directory`'s safetensors files (one file or shards)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def _read_held(paths: RunPaths, version: int, read: Callable[[Path], T]) -> T:
+    """`read` of the HF directory of weights `version`, the version held against pruning
+    while it reads. A version pruned just before the hold took effect is read from a kept
+    checkpoint's export if there is one."""
     with hold_weights(paths, version):
         try:
-            return load_policy_dir(weights_dir(paths, version))
+            return read(weights_dir(paths, version))
         except FileNotFoundError:  # pruned between the look-up and the hold: look again
             try:
                 directory = weights_dir(paths, version)
@@ -46,7 +70,7 @@ def load_policy(paths: RunPaths, version: int) -> PreTrainedModel:
                     "(synchronizer.keep_synced_weights) and no kept checkpoint of that step "
                     f"has an HF export ({err})"
                 ) from None
-            return load_policy_dir(directory)
+            return read(directory)
 
 
 def load_policy_dir(directory: Path) -> PreTrainedModel:
