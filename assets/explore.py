@@ -47,7 +47,7 @@ def rollouts(
     context: dg.AssetExecutionContext, run_config: RunConfigResource
 ) -> Iterator[dg.Output]:
     """The built-in explorer loop over the run's explore steps, one model kept loaded."""
-    from trinity_dagster.explorer.loop import ExplorerLoop
+    from trinity_dagster.explorer.loop import ExplorerLoop, use_explorer_threads
 
     partitions = StepPartitions(context.instance)
 
@@ -58,6 +58,8 @@ def rollouts(
     done = {
         step_of(key) for key in context.instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
     }
+    threads = use_explorer_threads(run_config.config)
+    context.log.info(f"explorer: {threads} torch thread(s) (explorer.torch_threads)")
     loop = ExplorerLoop(run_config.config, on_step=log_step)
     reason = loop.run(run_steps(context)[0], run_last_step(context), done)
     context.log.info(f"explorer loop stopped: {reason}")

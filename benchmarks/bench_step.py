@@ -31,6 +31,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -69,9 +70,15 @@ def _rollout_metadata(instance: Any) -> dict[int, dict[str, Any]]:
 
 
 def run_method(
-    method: str, root: Path, sft_steps: int, steps: int, sync_offset: int = 0
+    method: str,
+    root: Path,
+    sft_steps: int,
+    steps: int,
+    sync_offset: int = 0,
+    overrides: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
-    """`run_training` with `method`; the step's wall time and its parts, as medians."""
+    """`run_training` with `method` (and config `overrides`, dotted keys, on top of the demo's);
+    the step's wall time and its parts, as medians."""
     from trinity_dagster.commands.training_run import run_training
 
     total = sft_steps + steps
@@ -84,6 +91,7 @@ def run_method(
             "trainer.save_interval": 0,
             "synchronizer.sync_method": method,
             "synchronizer.sync_offset": sync_offset,
+            **(overrides or {}),
         },
     )
     paths = RunPaths.of_config(config)

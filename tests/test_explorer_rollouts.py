@@ -158,7 +158,7 @@ def test_a_failed_update_leaves_no_model_loaded(tmp_path: Path) -> None:
     explorer.explore(1, version=0)
     weights = v1 / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])  # torn
-    with pytest.raises(Exception, match="(?i)safetensor|header|deserializ"):
+    with pytest.raises(ValueError, match=f"weights file {weights} is not readable safetensors"):
         explorer.explore(2, version=1)
     assert explorer.loaded_version == 0  # the read failed before the model was touched
     rows = explorer.explore(3, version=0)

@@ -455,6 +455,13 @@ class ExplorerConfig(_Section):
         description="Nucleus sampling of rollouts: only the most likely tokens that make up "
         "this share of the probability are drawn.",
     )
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads of the built-in explorer's torch. None: all cores when it only "
+        "runs while training waits (sync_style fixed, sync_interval 1, sync_offset 0), else "
+        "half of them (at least one), leaving the rest to the engine it runs beside.",
+    )
     seed: int = 0
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -50,7 +51,10 @@ def read_weights_dir(directory: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors weights in {directory}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(str(file)))
+        try:
+            tensors.update(load_file(str(file)))
+        except SafetensorError as err:
+            raise ValueError(f"weights file {file} is not readable safetensors: {err}") from err
     return tensors
 
 
