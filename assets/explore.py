@@ -13,9 +13,11 @@ The explorer (torch, transformers) is imported inside the assets, never at load 
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
 
+from assets.lineage import trained_once_evaluation
 from assets.partitions import (
     WEIGHTS_PARTITIONS,
     step_key,
@@ -27,6 +29,9 @@ from assets.step_runs import StepPartitions, run_last_step, run_steps, step_mate
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.layout import latest_checkpoint_step
 from trinity_dagster.graph_names import EVALUATION, ROLLOUTS, SYNCED
+from trinity_dagster.handoff.end_of_data import end_of_data
+from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
+from trinity_dagster.handoff.trainer_state import finished_training, wait_for_training_end
 
 
 @dg.multi_asset(
@@ -63,7 +68,52 @@ def rollouts(
     loop = ExplorerLoop(run_config.config, on_step=log_step)
     reason = loop.run(run_steps(context)[0], run_last_step(context), done)
     context.log.info(f"explorer loop stopped: {reason}")
+    paths, total = run_config.paths, run_config.config.trainer.total_steps
+    if end_of_data(paths) is not None or finished_training(paths, total) is not None:
+        score_finished_run(context, run_config)
     yield from ()  # each step was logged as it finished; there is no output at the end
+
+
+def score_finished_run(context: dg.AssetExecutionContext, run_config: RunConfigResource) -> None:
+    """Once training finished: `evaluation[v]` of the versions `versions_to_evaluate` names
+    and the `trained_exactly_once` check, logged from this run, whose process has torch and
+    transformers loaded, so no run worker starts for them. Whatever fails or is left here
+    (the trainer failed, this run was ended) the sensor launches runs for."""
+    from trinity_dagster.checkpoint.layout import latest_weights_version
+    from trinity_dagster.explorer.eval_versions import versions_to_evaluate
+
+    paths, config = run_config.paths, run_config.config
+    heartbeat = Heartbeat(paths, BUILTIN_EXPLORER_ID)
+    context.log.info("explorer: waiting for training to finish, to score the run")
+    if (
+        wait_for_training_end(paths, config.trainer.total_steps, while_waiting=heartbeat.beat)
+        is None
+    ):
+        context.log.info("explorer: the trainer failed; the sensor scores the run if it finishes")
+        return
+    final = latest_weights_version(paths) or 0
+    done = context.instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
+    for version in versions_to_evaluate(config, paths, final):
+        key = step_key(version)
+        if key in done:
+            continue
+        try:
+            metadata = evaluation_metadata(run_config, version)
+        except Exception as err:  # the sensor's evaluation run reports it in its own page
+            context.log.warning(f"evaluation of weights version {version} failed here: {err}")
+            continue
+        if not context.instance.has_dynamic_partition(WEIGHTS_PARTITIONS, key):
+            context.instance.add_dynamic_partitions(WEIGHTS_PARTITIONS, [key])
+        context.log_event(dg.AssetMaterialization(EVALUATION, partition=key, metadata=metadata))
+    context.log_event(trained_once_evaluation(run_config))
+
+
+def evaluation_metadata(run_config: RunConfigResource, version: int) -> dict[str, Any]:
+    """What `evaluation[version]` records: the held-out metrics and the weights version."""
+    from trinity_dagster.explorer.evaluation import evaluate
+
+    metrics = evaluate(run_config.config, run_config.paths, version)
+    return {**metrics, "weights_version": version}
 
 
 @dg.asset(
@@ -78,16 +128,14 @@ def evaluation(
     context: dg.AssetExecutionContext, run_config: RunConfigResource
 ) -> dg.MaterializeResult:
     """`eval/<taskset>/accuracy` and `eval/<taskset>/reward/mean` of weights version N."""
-    from trinity_dagster.explorer.evaluation import evaluate
-
     version = step_of(context.partition_key)
     try:
-        metrics = evaluate(run_config.config, run_config.paths, version)
+        metadata = evaluation_metadata(run_config, version)
     except Exception as err:
         raise dg.Failure(
             f"evaluation of weights version {version} failed: {type(err).__name__}: {err}"
         ) from err
-    return dg.MaterializeResult(metadata={**metrics, "weights_version": version})
+    return dg.MaterializeResult(metadata=metadata)
 
 
 def evaluate_newest_checkpoint(

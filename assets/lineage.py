@@ -104,13 +104,28 @@ def checkpoint_upstream(paths: RunPaths, step: int) -> dict[str, Any]:
 )
 def trained_exactly_once(run_config: RunConfigResource) -> dg.AssetCheckResult:
     """The proof over the whole run, from the lineage ledger."""
+    return dg.AssetCheckResult(**trained_once_verdict(run_config))
+
+
+def trained_once_evaluation(run_config: RunConfigResource) -> dg.AssetCheckEvaluation:
+    """`trained_exactly_once`'s result as an event another run logs (the built-in explorer's,
+    once training finished)."""
+    return dg.AssetCheckEvaluation(
+        asset_key=dg.AssetKey(TRAIN),
+        check_name=TRAINED_EXACTLY_ONCE,
+        **trained_once_verdict(run_config),
+    )
+
+
+def trained_once_verdict(run_config: RunConfigResource) -> dict[str, Any]:
+    """`passed`, `description` (the problems, None if none) and `metadata` of the proof."""
     verdict = verify_trained_once(run_config.paths, run_config.config.buffer.reuse_limit)
     counts = {name: value for name, value in verdict.counts.items() if name != "cursor"}
-    return dg.AssetCheckResult(
-        passed=verdict.passed,
-        description="; ".join(verdict.problems) or None,
-        metadata={**counts, "problems": "; ".join(verdict.problems) or "none"},
-    )
+    return {
+        "passed": verdict.passed,
+        "description": "; ".join(verdict.problems) or None,
+        "metadata": {**counts, "problems": "; ".join(verdict.problems) or "none"},
+    }
 
 
 lineage_check_job = dg.define_asset_job(

@@ -15,8 +15,9 @@ cost took about an eighth of a core, beside a loop that keeps both cores busy. I
 - `weights_versions`: adds a `weights_version` partition for each published or kept
   version, so the UI offers it for `evaluation`;
 - `evaluation_requests`: once training finished, evaluates the initial weights, the SFT
-  warm-up's last (checkpointed) and the final weights;
-- `lineage_check_request`: once training finished, runs `trained_exactly_once`;
+  warm-up's last (checkpointed) and the final weights, those the built-in explorer's run
+  did not score itself (`assets.explore.score_finished_run`) once it ended;
+- `lineage_check_request`: likewise runs `trained_exactly_once` once training finished;
 - `maintenance_request`: while training, a `delta_maintenance_job` run every
   `dagster.maintenance_every_steps` steps (ledger update, compaction, log clean-up), so the
   Delta tables cost the same per step at step 50,000 as at step 1.
@@ -75,7 +76,11 @@ from trinity_dagster.graph_names import (
 from trinity_dagster.handoff import control
 from trinity_dagster.handoff.end_of_data import end_of_data
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, seconds_since_beat
-from trinity_dagster.handoff.trainer_state import TrainerState, read_trainer_state
+from trinity_dagster.handoff.trainer_state import (
+    TrainerState,
+    finished_training,
+    read_trainer_state,
+)
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -135,10 +140,13 @@ def recorded_partitions(instance: dg.DagsterInstance, asset: str, keys: set[str]
 
 def training_finished(run_config: RunConfigResource) -> TrainerState | None:
     """The trainer's state if it finished this configuration's training."""
-    state = read_trainer_state(run_config.paths)
-    if state is not None and state.finished(run_config.config.trainer.total_steps):
-        return state
-    return None
+    return finished_training(run_config.paths, run_config.config.trainer.total_steps)
+
+
+def busy_run(instance: dg.DagsterInstance, job_name: str) -> dg.DagsterRun | None:
+    """A run of `job_name` that is queued, starting, going or being cancelled, if any."""
+    runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=list(BUSY)), limit=1)
+    return runs[0] if runs else None
 
 
 def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:
@@ -436,10 +444,15 @@ def evaluation_requests(
 ) -> dg.SensorResult | dg.SkipReason:
     """`evaluation[v]` of the initial, the SFT warm-up's last and the final weights, once each.
 
-    They wait for the end of training, so they never take the CPU from the loop.
+    They wait for the end of training, so they never take the CPU from the loop, and for the
+    built-in explorer's run, which scores them itself when training finished; a run each
+    for what it left.
     """
     if training_finished(run_config) is None:
         return dg.SkipReason("waiting for training to finish")
+    explorer = busy_run(instance, rollouts_job.name)
+    if explorer is not None:
+        return dg.SkipReason(f"{rollouts_job.name} run {explorer.run_id} scores the run")
     published = latest_weights_version(run_config.paths) or 0
     versions = versions_to_evaluate(run_config.config, run_config.paths, published)
     done = instance.get_materialized_partitions(dg.AssetKey(EVALUATION))
@@ -458,10 +471,18 @@ def evaluation_requests(
 def lineage_check_request(
     instance: dg.DagsterInstance, run_config: RunConfigResource
 ) -> dg.SensorResult | dg.SkipReason:
-    """One `trained_exactly_once` run each time training finishes."""
+    """One `trained_exactly_once` run each time training finishes, unless the built-in
+    explorer's run (which checks it itself then) is going or checked it since."""
     finished = training_finished(run_config)
     if finished is None:
         return dg.SkipReason("waiting for training to finish")
+    explorer = busy_run(instance, rollouts_job.name)
+    if explorer is not None:
+        return dg.SkipReason(f"{rollouts_job.name} run {explorer.run_id} checks lineage")
+    key = dg.AssetCheckKey(dg.AssetKey(TRAIN), TRAINED_EXACTLY_ONCE)
+    latest = instance.event_log_storage.get_latest_asset_check_execution_by_key([key]).get(key)
+    if latest is not None and latest.create_timestamp >= finished.updated_at:
+        return dg.SkipReason(f"{TRAINED_EXACTLY_ONCE} ran in {latest.run_id}")
     tags = {FINISHED_TAG: f"{finished.step}@{finished.updated_at}"}
     done = instance.get_runs(
         filters=dg.RunsFilter(job_name=lineage_check_job.name, tags=tags), limit=1

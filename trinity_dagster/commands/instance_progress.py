@@ -140,6 +140,18 @@ class Progress:
                     return event.message
         return "no error recorded (see the run's logs)"
 
+    def run_going(self, job_name: str) -> bool:
+        """Whether a run of `job_name` is queued, starting or going."""
+        dg = self.dg
+        statuses = [
+            dg.DagsterRunStatus.QUEUED,
+            dg.DagsterRunStatus.NOT_STARTED,
+            dg.DagsterRunStatus.STARTING,
+            dg.DagsterRunStatus.STARTED,
+        ]
+        filters = dg.RunsFilter(job_name=job_name, statuses=statuses)
+        return bool(self.instance.get_runs(filters=filters, limit=1))
+
     def evaluation(self, version: int) -> dict[str, Any] | None:
         """The metadata of `evaluation[version]`, once recorded."""
         dg = self.dg

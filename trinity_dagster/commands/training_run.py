@@ -39,12 +39,14 @@ from trinity_dagster.commands.run_summary import (
     rollout_reward_rise,
 )
 from trinity_dagster.config import TrinityConfig, check_inputs, start_fresh
-from trinity_dagster.graph_names import TRAINED_EXACTLY_ONCE
+from trinity_dagster.graph_names import ROLLOUTS_JOB, TRAINED_EXACTLY_ONCE
 from trinity_dagster.handoff.end_of_data import clear_end_of_data
 from trinity_dagster.handoff.trainer_state import read_trainer_state, state_path
 from trinity_dagster.paths import RunPaths
 
 PROGRESS_POLL_S = 1.0
+# how long the end waits for the explorer's run, once it recorded the run's scores, to end
+RUN_END_GRACE_S = 30.0
 
 
 def extend_finished_run(paths: RunPaths, total_steps: int | None) -> bool:
@@ -165,6 +167,7 @@ def _watch(
 
     config = progress.config
     paused_seen: float | None = None
+    scored_at: float | None = None
     while True:
         raise_if_stopped()
         for line in progress.new_lines():
@@ -189,5 +192,15 @@ def _watch(
             scored = {v: progress.evaluation(v) for v in versions_to_evaluate(config, paths, final)}
             lineage = progress.lineage_check(state.updated_at)
             if lineage is not None and all(meta is not None for meta in scored.values()):
-                return final, {v: meta for v, meta in scored.items() if meta is not None}, lineage
+                scored_at = scored_at or time.monotonic()
+                # the explorer's run scored them: let it end before the daemon stops
+                if (
+                    not progress.run_going(ROLLOUTS_JOB)
+                    or time.monotonic() - scored_at > RUN_END_GRACE_S
+                ):
+                    return (
+                        final,
+                        {v: meta for v, meta in scored.items() if meta is not None},
+                        lineage,
+                    )
         time.sleep(PROGRESS_POLL_S)

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -75,3 +76,30 @@ def read_trainer_state(paths: RunPaths) -> TrainerState | None:
         return TrainerState(**json.loads(state_path(paths).read_text()))
     except FileNotFoundError:
         return None
+
+
+def finished_training(paths: RunPaths, total_steps: int | None) -> TrainerState | None:
+    """The recorded state if the trainer finished the training of a run with `total_steps`."""
+    state = read_trainer_state(paths)
+    return state if state is not None and state.finished(total_steps) else None
+
+
+def wait_for_training_end(
+    paths: RunPaths,
+    total_steps: int | None,
+    *,
+    while_waiting: Callable[[], None] = lambda: None,
+    poll_s: float = 0.1,
+) -> TrainerState | None:
+    """The trainer's state once it finished the training of a run with `total_steps` (see
+    `TrainerState.finished`), or None as soon as it failed. Waits through pauses, between
+    the windows of a ranged run and while a crashed trainer is started again; calls
+    `while_waiting` at every look."""
+    while True:
+        state = read_trainer_state(paths)
+        if state is not None and state.finished(total_steps):
+            return state
+        if state is not None and state.state == "failed":
+            return None
+        while_waiting()
+        time.sleep(poll_s)
