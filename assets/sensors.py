@@ -81,6 +81,7 @@ from trinity_dagster.handoff.trainer_state import (
     finished_training,
     read_trainer_state,
 )
+from trinity_dagster.lineage_check_result import latest_lineage_check
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -479,10 +480,9 @@ def lineage_check_request(
     explorer = busy_run(instance, rollouts_job.name)
     if explorer is not None:
         return dg.SkipReason(f"{rollouts_job.name} run {explorer.run_id} checks lineage")
-    key = dg.AssetCheckKey(dg.AssetKey(TRAIN), TRAINED_EXACTLY_ONCE)
-    latest = instance.event_log_storage.get_latest_asset_check_execution_by_key([key]).get(key)
-    if latest is not None and latest.create_timestamp >= finished.updated_at:
-        return dg.SkipReason(f"{TRAINED_EXACTLY_ONCE} ran in {latest.run_id}")
+    checked = latest_lineage_check(instance, finished.updated_at)
+    if checked is not None:
+        return dg.SkipReason(f"{TRAINED_EXACTLY_ONCE} ran in {checked[0]}")
     tags = {FINISHED_TAG: f"{finished.step}@{finished.updated_at}"}
     done = instance.get_runs(
         filters=dg.RunsFilter(job_name=lineage_check_job.name, tags=tags), limit=1

@@ -37,6 +37,7 @@ from trinity_dagster.checkpoint.layout import (
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
 from trinity_dagster.config import load_config
 from trinity_dagster.dagster_instance import write_instance_yaml
+from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
@@ -240,6 +241,49 @@ def test_daemon_trains_to_the_end_unattended(loop: Loop, reference: bytes) -> No
     loop.wait("the trainer to finish", loop.finished)
     loop.check_exactly_once()
     assert final_weights(loop.paths) == reference
+    loop.wait("the run's scores", lambda: scoring_jobs(loop) is not None, timeout_s=120)
+    # the explorer's run scored the initial, the SFT and the final weights and checked
+    # lineage itself: no run worker started for them
+    assert scoring_jobs(loop) == {
+        "evaluation[000000]": "rollouts_job",
+        "evaluation[000002]": "rollouts_job",
+        f"evaluation[{step_key(TOTAL_STEPS)}]": "rollouts_job",
+        "trained_exactly_once": "rollouts_job",
+    }
+    with loop.instance() as instance:
+        jobs = {run.job_name for run in instance.get_runs()}
+    assert jobs == {"train_job", "rollouts_job"}, jobs
+
+
+def scoring_jobs(loop: Loop) -> dict[str, str] | None:
+    """The job of the run that recorded each end-of-training evaluation and the passed
+    `trained_exactly_once` check, once all are recorded."""
+    config = load_config(loop.config_file)
+    versions = versions_to_evaluate(config, loop.paths, TOTAL_STEPS)
+    found: dict[str, str] = {}
+    with loop.instance() as instance:
+        for version in versions:
+            records = instance.fetch_materializations(
+                dg.AssetRecordsFilter(
+                    asset_key=dg.AssetKey("evaluation"), asset_partitions=[step_key(version)]
+                ),
+                limit=1,
+            ).records
+            if not records:
+                return None
+            run = instance.get_run_by_id(records[0].run_id)
+            found[f"evaluation[{step_key(version)}]"] = run.job_name if run else ""
+        key = dg.AssetCheckKey(dg.AssetKey("train_step"), "trained_exactly_once")
+        check = instance.event_log_storage.get_latest_asset_check_execution_by_key([key]).get(key)
+        evaluation = (
+            check.event.dagster_event.event_specific_data if check and check.event else None
+        )
+        if not isinstance(evaluation, dg.AssetCheckEvaluation) or not evaluation.passed:
+            return None
+        assert check is not None
+        run = instance.get_run_by_id(check.run_id)
+        found["trained_exactly_once"] = run.job_name if run else ""
+    return found
 
 
 def test_killed_trainer_worker_and_engine_are_restarted_and_finish(

@@ -313,6 +313,9 @@ class _QuietProgress:
     def lineage_check(self, since: float) -> dict:
         return {"passed": True}
 
+    def run_going(self, job_name: str) -> bool:
+        return False
+
 
 def test_run_says_once_that_training_is_paused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

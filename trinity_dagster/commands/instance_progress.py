@@ -13,8 +13,8 @@ from trinity_dagster.graph_names import (
     LOOP_SENSOR,
     ROLLOUTS,
     TRAIN,
-    TRAINED_EXACTLY_ONCE,
 )
+from trinity_dagster.lineage_check_result import latest_lineage_check
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
 
@@ -167,15 +167,10 @@ class Progress:
     def lineage_check(self, since: float) -> dict[str, Any] | None:
         """`passed` and the metadata of the newest `trained_exactly_once` evaluation made
         after `since` (a time), once there is one."""
-        dg = self.dg
-        key = dg.AssetCheckKey(dg.AssetKey(TRAIN), TRAINED_EXACTLY_ONCE)
-        found = self.instance.event_log_storage.get_latest_asset_check_execution_by_key([key])
-        record = found.get(key)
-        if record is None or record.create_timestamp < since or record.event is None:
+        found = latest_lineage_check(self.instance, since)
+        if found is None:
             return None
-        evaluation = record.event.dagster_event.event_specific_data
-        if not isinstance(evaluation, dg.AssetCheckEvaluation):
-            return None  # planned, not evaluated yet
+        _, evaluation = found
         return {"passed": evaluation.passed, **metadata_values(evaluation)}
 
     def rollout_rewards(self) -> list[tuple[int, float, bool]]:
