@@ -5,6 +5,8 @@ A run of `rollouts` over explore steps a..b runs the built-in explorer loop
 experiences, appends them to the `experiences` table and logs `rollouts[E]` with the weights
 version, so lineage shows which weights produced which experiences. During the SFT warm-up
 (`trainer.sft_warmup_steps`) it writes demonstrations. A retried run skips recorded steps.
+Once it explored every step the trainer needs, the run waits for training to finish and
+scores it (`score_finished_run`): the end-of-training evaluations and `trained_exactly_once`.
 `evaluation[V]` scores weights version V on the held-out task set with greedy decoding, beside
 training (it takes no pool slot); its partitions are weights versions, so version 0 (the
 initial model) adds no untrainable step partition. The version is held against pruning while
