@@ -79,8 +79,9 @@ def rollouts(
 def score_finished_run(context: dg.AssetExecutionContext, run_config: RunConfigResource) -> None:
     """Once training finished: `evaluation[v]` of the versions `versions_to_evaluate` names
     and the `trained_exactly_once` check, logged from this run, whose process has torch and
-    transformers loaded, so no run worker starts for them. Whatever fails or is left here
-    (the trainer failed, this run was ended) the sensor launches runs for."""
+    transformers loaded, so no run worker starts for them. It waits only while a trainer
+    loop runs; what it does not score (no trainer loop ran, an evaluation failed, this run
+    was ended) the sensor launches runs for."""
     from trinity_dagster.checkpoint.layout import latest_weights_version
     from trinity_dagster.explorer.eval_versions import versions_to_evaluate
 
@@ -91,7 +92,7 @@ def score_finished_run(context: dg.AssetExecutionContext, run_config: RunConfigR
         wait_for_training_end(paths, config.trainer.total_steps, while_waiting=heartbeat.beat)
         is None
     ):
-        context.log.info("explorer: the trainer failed; the sensor scores the run if it finishes")
+        context.log.info("explorer: no trainer loop runs; the sensor scores the run when it ends")
         return
     final = latest_weights_version(paths) or 0
     done = context.instance.get_materialized_partitions(dg.AssetKey(EVALUATION))

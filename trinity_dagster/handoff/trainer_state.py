@@ -92,14 +92,14 @@ def wait_for_training_end(
     poll_s: float = 0.1,
 ) -> TrainerState | None:
     """The trainer's state once it finished the training of a run with `total_steps` (see
-    `TrainerState.finished`), or None as soon as it failed. Waits through pauses, between
-    the windows of a ranged run and while a crashed trainer is started again; calls
-    `while_waiting` at every look."""
+    `TrainerState.finished`), waiting only while a trainer loop runs; None as soon as none
+    does (it failed, paused, ended a range of steps, or never started), since nothing may
+    start one again soon. Calls `while_waiting` at every look."""
     while True:
         state = read_trainer_state(paths)
         if state is not None and state.finished(total_steps):
             return state
-        if state is not None and state.state == "failed":
+        if state is None or not state.loop_alive():
             return None
         while_waiting()
         time.sleep(poll_s)
