@@ -145,9 +145,13 @@ def training_finished(run_config: RunConfigResource) -> TrainerState | None:
 
 
 def busy_run(instance: dg.DagsterInstance, job_name: str) -> dg.DagsterRun | None:
-    """A run of `job_name` that is queued, starting, going or being cancelled, if any."""
-    runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=list(BUSY)), limit=1)
-    return runs[0] if runs else None
+    """A run of `job_name` that is queued, starting, going or being cancelled, if any; a
+    started run whose worker process is gone (killed with `dagster dev`) does not count."""
+    runs = instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=list(BUSY)))
+    for run in runs:
+        if run.status != dg.DagsterRunStatus.STARTED or worker_gone(instance, run) is None:
+            return run
+    return None
 
 
 def worker_gone(instance: dg.DagsterInstance, run: dg.DagsterRun) -> int | None:

@@ -16,7 +16,14 @@ import dagster as dg
 import pytest
 from dagster._core.test_utils import instance_for_test
 
-from assets.sensors import end_hung_explorer, explorer_request, worker_gone
+from assets.sensors import (
+    busy_run,
+    end_hung_explorer,
+    evaluation_requests,
+    explorer_request,
+    lineage_check_request,
+    worker_gone,
+)
 from resources.run_config import RunConfigResource
 from trinity_dagster.handoff.heartbeat import (
     BUILTIN_EXPLORER_ID,
@@ -24,6 +31,7 @@ from trinity_dagster.handoff.heartbeat import (
     heartbeat_path,
     seconds_since_beat,
 )
+from trinity_dagster.handoff.trainer_state import write_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.testing import tiny_config
 
@@ -105,3 +113,35 @@ def test_the_heartbeat_beats_at_most_once_a_second_unless_forced(tmp_path: Path)
     assert heartbeat_path(paths, "e0").stat().st_mtime_ns > first
     since = seconds_since_beat(paths, "e0")
     assert since is not None and 0 <= since < 5
+
+
+def test_an_explorer_run_killed_with_dagster_dev_does_not_hold_back_the_end_scores(
+    instance: dg.DagsterInstance, tmp_path: Path
+) -> None:
+    # Its scores at the end of training fall to the sensor's runs once its worker is gone.
+    _, config_file = tiny_config(tmp_path, {"trainer": {"total_steps": 2}})
+    run_config = RunConfigResource(config_path=str(config_file))
+    write_trainer_state(run_config.paths, "finished", 2, "trained all 2 steps")
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        alive = _started_run(instance, worker.pid, job_name="rollouts_job")
+        assert busy_run(instance, "rollouts_job") == alive
+        for part in (evaluation_requests, lineage_check_request):
+            waiting = part(instance, run_config)
+            assert isinstance(waiting, dg.SkipReason), part
+            assert f"rollouts_job run {alive.run_id}" in waiting.skip_message
+        instance.report_run_failed(alive)
+        _started_run(instance, _gone_pid(), job_name="rollouts_job")
+        assert busy_run(instance, "rollouts_job") is None
+        evaluations = evaluation_requests(instance, run_config)
+        assert isinstance(evaluations, dg.SensorResult)
+        # no weights were published here, so the final version is the initial one
+        assert [(r.job_name, r.partition_key) for r in evaluations.run_requests] == [
+            ("evaluation_job", "000000")
+        ]
+        check = lineage_check_request(instance, run_config)
+        assert isinstance(check, dg.SensorResult)
+        assert [r.job_name for r in check.run_requests] == ["lineage_check_job"]
+    finally:
+        worker.kill()
+        worker.wait()
