@@ -363,3 +363,21 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
         with pytest.raises(StoppedBySignal) as stopped:
             training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]
     assert stopped.value.exit_code == 128 + signal.SIGTERM
+
+
+def test_a_stop_signal_a_library_wrapped_still_stops_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLAlchemy wraps an exception raised inside a query into its StatementError
+    config, _ = tiny_config(tmp_path, {"trainer": {"total_steps": 4}})
+
+    def train(config, workspace_file) -> None:
+        try:
+            daemon_control._raise_stopped(signal.SIGINT, None)
+        except StoppedBySignal as err:
+            raise RuntimeError("(builtins.StoppedBySignal) while executing a query") from err
+
+    monkeypatch.setattr(training_run, "_train", train)
+    with pytest.raises(StoppedBySignal) as stopped:
+        training_run.run_training(config, REPO_ROOT / "workspace.yaml")
+    assert stopped.value.exit_code == 128 + signal.SIGINT

@@ -152,12 +152,14 @@ def engine_processes(paths: RunPaths) -> list[psutil.Process]:
     return found
 
 
-def stop_run(daemon: subprocess.Popen, paths: RunPaths) -> None:
-    """Stop what a training run started: the daemon with its run workers, then the run
-    root's engine service, cleanly if it answers, and any of its processes left here."""
+def stop_run(daemon: subprocess.Popen | None, paths: RunPaths) -> None:
+    """Stop what a training run started: the daemon (if it got that far) with its run
+    workers, then the run root's engine service, cleanly if it answers, and any of its
+    processes left here."""
     from trinity_dagster.service.launcher import STOP_GRACE_S, stop_service
     from trinity_dagster.service.processes import end_processes
 
-    stop_daemon(daemon)
+    if daemon is not None:
+        stop_daemon(daemon)
     stop_service(paths)
     end_processes(engine_processes(paths), grace_s=STOP_GRACE_S)

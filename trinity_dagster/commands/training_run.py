@@ -53,6 +53,8 @@ from trinity_dagster.paths import RunPaths
 log = logging.getLogger(__name__)
 
 PROGRESS_POLL_S = 1.0
+# how long a stop waits for the early engine start to have started its processes
+ENGINE_LAUNCH_WAIT_S = 10.0
 # how long the end waits for the explorer's run, once it recorded the run's scores, to end
 RUN_END_GRACE_S = 30.0
 
@@ -89,7 +91,13 @@ def run_training(config: TrinityConfig, workspace: str | Path | None = None) -> 
             flush=True,
         )
     with stop_signals_raise():
-        return _train(fresh, workspace_file)
+        try:
+            return _train(fresh, workspace_file)
+        except Exception:
+            # a stop signal raised inside a library that wrapped it (SQLAlchemy does, into a
+            # StatementError) still ends the command as stopped by that signal
+            raise_if_stopped()
+            raise
 
 
 def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
@@ -110,12 +118,16 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     print(f"trinity-dagster: training {steps} under {paths.root} (dagster-daemon)", flush=True)
     instance = dg.DagsterInstance.get()
     progress = Progress(instance, config)
-    start_engine_early(config)
-    daemon = start_daemon(paths, workspace_file)
-    try:
+    engine_launched: threading.Event | None = None
+    daemon: subprocess.Popen | None = None
+    try:  # a stop signal may come at any point from here: stop whatever has started
+        engine_launched = start_engine_early(config)
+        daemon = start_daemon(paths, workspace_file)
         final_version, scored, lineage = _watch(progress, daemon, paths)
     finally:
         ignore_stop_signals()
+        if engine_launched is not None:
+            engine_launched.wait(timeout=ENGINE_LAUNCH_WAIT_S)
         stop_run(daemon, paths)
     state = read_trainer_state(paths)
     assert state is not None
@@ -165,26 +177,31 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     return summary
 
 
-def start_engine_early(config: TrinityConfig) -> threading.Thread | None:
+def start_engine_early(config: TrinityConfig) -> threading.Event:
     """Start the run's engine service in a thread, beside the daemon's own start-up, unless
     training finished already; the trainer run attaches to it (or waits on the start lock
     while it comes up). Started by the trainer run instead, the engine's 6-8 s start-up came
-    after the daemon's first sensor tick and the run's launch."""
+    after the daemon's first sensor tick and the run's launch.
+
+    The event returned is set once the service's processes are started (or none will be), so
+    that stopping the run finds every process it must end.
+    """
     from trinity_dagster.service.launcher import start_service
 
+    launched = threading.Event()
     paths = RunPaths.of_config(config)
     if finished_training(paths, config.trainer.total_steps) is not None:
-        return None
+        launched.set()
+        return launched
 
     def start() -> None:
         try:
-            start_service(config)
+            start_service(config, launched=launched.set)
         except Exception as err:  # the trainer run starts it again and fails with the cause
-            log.warning("early engine start failed (the trainer run retries it): %s", err)
+            log.debug("early engine start failed (the trainer run retries it): %s", err)
 
-    thread = threading.Thread(target=start, name="engine-start", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=start, name="engine-start", daemon=True).start()
+    return launched
 
 
 def _watch(

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,30 +195,37 @@ def join_service(config: TrinityConfig, config_file: Path, node_rank: int | None
     return subprocess.run(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
 
 
-def start_service(config: TrinityConfig) -> ServiceState:
-    """The running service of this run, started if none answers."""
+def start_service(
+    config: TrinityConfig, launched: Callable[[], None] = lambda: None
+) -> ServiceState:
+    """The running service of this run, started if none answers. `launched` is called once
+    this call has started the service's processes or found it running (or failed before),
+    before it waits for a start to finish."""
     paths = RunPaths.of_config(config)
     with _start_lock(paths):
-        state = live_service(paths)
-        if state is not None:
-            return state
-        ensure_token(paths)
-        config_file = paths.service_config
-        config_file.write_text(config.to_yaml())
-        paths.logs.mkdir(parents=True, exist_ok=True)
-        log = log_path(paths)
-        offset = log.stat().st_size if log.exists() else 0
-        with open(log, "ab") as log_handle:
-            process = subprocess.Popen(
-                launch_command(config_file, config, config.service.node_rank),
-                stdin=subprocess.DEVNULL,
-                stdout=log_handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        # reap the agent when it exits, so this process never keeps a zombie around
-        threading.Thread(target=process.wait, daemon=True).start()
+        try:
+            state = live_service(paths)
+            if state is not None:
+                return state
+            ensure_token(paths)
+            config_file = paths.service_config
+            config_file.write_text(config.to_yaml())
+            paths.logs.mkdir(parents=True, exist_ok=True)
+            log = log_path(paths)
+            offset = log.stat().st_size if log.exists() else 0
+            with open(log, "ab") as log_handle:
+                process = subprocess.Popen(
+                    launch_command(config_file, config, config.service.node_rank),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_handle,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+            # reap the agent when it exits, so this process never keeps a zombie around
+            threading.Thread(target=process.wait, daemon=True).start()
+        finally:
+            launched()
         return _wait_until_up(paths, process, config, log, offset)
 
 
