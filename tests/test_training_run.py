@@ -381,3 +381,13 @@ def test_a_stop_signal_a_library_wrapped_still_stops_the_command(
     with pytest.raises(StoppedBySignal) as stopped:
         training_run.run_training(config, REPO_ROOT / "workspace.yaml")
     assert stopped.value.exit_code == 128 + signal.SIGINT
+
+
+def test_a_stop_signal_during_a_launch_is_raised_once_the_launch_is_recorded() -> None:
+    launched: list[str] = []
+    with stop_signals_raise():
+        with pytest.raises(StoppedBySignal) as stopped, daemon_control.stop_signals_deferred():
+            daemon_control._raise_stopped(signal.SIGTERM, None)  # inside Popen, say
+            launched.append("daemon")
+        assert launched == ["daemon"]  # the clean-up knows what to stop
+    assert stopped.value.exit_code == 128 + signal.SIGTERM

@@ -43,13 +43,28 @@ def ignore_stop_signals() -> None:
 # The stop signal received within `stop_signals_raise`: Python ignores an exception raised in
 # a garbage-collector callback, so a handler's raise can be lost, and the watch loop raises it.
 _received: list[int] = []
+_deferring: list[bool] = []  # inside `stop_signals_deferred`: the raise waits for its end
 
 
 def _raise_stopped(signum: int, frame: Any) -> None:
     """The handler of SIGINT and SIGTERM within `stop_signals_raise`."""
     ignore_stop_signals()
     _received.append(signum)
-    raise StoppedBySignal(signum)
+    if not _deferring:
+        raise StoppedBySignal(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Within: a stop signal is recorded, and raised only once the block has ended, so that
+    a process the block starts is always known to the clean-up (a raise inside
+    `subprocess.Popen` would leave the child running, its handle never returned)."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    raise_if_stopped()
 
 
 def raise_if_stopped() -> None:
@@ -162,4 +177,6 @@ def stop_run(daemon: subprocess.Popen | None, paths: RunPaths) -> None:
     if daemon is not None:
         stop_daemon(daemon)
     stop_service(paths)
-    end_processes(engine_processes(paths), grace_s=STOP_GRACE_S)
+    # twice: a rank that its agent started as the agent was being stopped may still be there
+    for _ in range(2):
+        end_processes(engine_processes(paths), grace_s=STOP_GRACE_S)

@@ -29,6 +29,7 @@ from trinity_dagster.commands.daemon_control import (
     raise_if_stopped,
     start_daemon,
     stop_run,
+    stop_signals_deferred,
     stop_signals_raise,
 )
 from trinity_dagster.commands.errors import TrainingRunError
@@ -121,8 +122,9 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     engine_launched: threading.Event | None = None
     daemon: subprocess.Popen | None = None
     try:  # a stop signal may come at any point from here: stop whatever has started
-        engine_launched = start_engine_early(config)
-        daemon = start_daemon(paths, workspace_file)
+        with stop_signals_deferred():
+            engine_launched = start_engine_early(config)
+            daemon = start_daemon(paths, workspace_file)
         final_version, scored, lineage = _watch(progress, daemon, paths)
     finally:
         ignore_stop_signals()
