@@ -99,9 +99,16 @@ def test_trinity_field_names_load(tmp_path: Path) -> None:
         ({"service": {"host": "0.0.0.0"}}, "service.host", "allow_non_loopback"),
         ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip", "greater than 1"),
         (
-            {"algorithm": {"algorithm_type": "ppo"}},
-            "algorithm.algorithm_type",
-            "'ppo' (Trinity-RFT's default) trains a critic (value model)",
+            {"algorithm": {"algorithm_type": "ppo", "advantage_fn": "grpo"}},
+            "algorithm.advantage_fn",
+            "algorithm_type 'ppo' trains a critic to estimate advantages by GAE",
+        ),
+        ({"algorithm": {"lam": 0.95}}, "algorithm.lam", "only with advantage_fn 'ppo'"),
+        ({"critic": {"warmup_steps": 2}}, "critic", "which advantage_fn 'grpo' does not train"),
+        (
+            {"algorithm": {"algorithm_type": "ppo"}, "megatron": {"sequence_parallel": True}},
+            "megatron.sequence_parallel",
+            "the critic's value head reads whole sequences",
         ),
         (
             {"algorithm": {"algorithm_type": "dapo"}},
@@ -302,6 +309,7 @@ def test_each_preset_is_an_algorithm_type_that_loads(name: str) -> None:
             },
         ),
         ("sft", {"policy_loss_fn": "sft"}),
+        ("ppo", {"advantage_fn": "ppo", "repeat_times": 1, "gamma": 1.0, "lam": 1.0}),
     ],
 )
 def test_algorithm_type_selects_its_defaults(algorithm_type: str, selected: dict) -> None:
@@ -309,7 +317,7 @@ def test_algorithm_type_selects_its_defaults(algorithm_type: str, selected: dict
     assert {key: getattr(algorithm, key) for key in selected} == selected
 
 
-@pytest.mark.parametrize("name", ["grpo", "GRPO", "rloo", "reinforceplusplus", "opmd"])
+@pytest.mark.parametrize("name", ["ppo", "grpo", "GRPO", "rloo", "reinforceplusplus", "opmd"])
 def test_a_named_algorithm_type_takes_trinity_rfts_loss_defaults(name: str) -> None:
     """Trinity-RFT's presets: symmetric clip 0.2, dual-clip 3, k2 KL loss at 0.001."""
     algorithm = load_config(None, {"algorithm.algorithm_type": name}).algorithm

@@ -31,3 +31,11 @@ def test_sft_steps_are_exempt_from_the_kl_bound() -> None:
     ok, reason = kl_within_bound(metrics, bound=1.0)
     assert ok and "SFT" in reason
     assert not kl_within_bound({**metrics, "actor/sft": 0.0}, bound=1.0)[0]
+
+
+def test_a_critic_warmup_step_passes_on_the_critics_loss_alone() -> None:
+    warmup = {"critic/vf_loss": 0.3, "critic/grad_norm": 1.0, "critic/warmup": 1.0}
+    assert sync_blockers(warmup, kl_bound=1.0) == []
+    ok, reason = loss_is_finite({**warmup, "critic/vf_loss": math.nan})
+    assert not ok and "critic/vf_loss=nan" in reason
+    assert not kl_within_bound({**warmup, "critic/warmup": 0.0}, bound=1.0)[0]

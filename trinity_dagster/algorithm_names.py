@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Literal
 
 AdvantageFn = Literal["grpo", "rloo", "reinforce_plus_plus", "opmd"]
+# Advantages estimated with a learned value model (GAE); Trinity-RFT names GAE `ppo`.
+CriticAdvantageFn = Literal["ppo"]
 PolicyLossFn = Literal["ppo", "gspo", "sft"]
 KlFn = Literal["none", "k1", "k2", "k3", "low_var_kl", "abs"]
 LossAggMode = Literal[

@@ -30,7 +30,13 @@ from pydantic import (
     model_validator,
 )
 
-from trinity_dagster.algorithm_names import AdvantageFn, KlFn, LossAggMode, PolicyLossFn
+from trinity_dagster.algorithm_names import (
+    AdvantageFn,
+    CriticAdvantageFn,
+    KlFn,
+    LossAggMode,
+    PolicyLossFn,
+)
 from trinity_dagster.paths import SHM_ROOT, delta_unaddressable, local_path, uri_scheme
 from trinity_dagster.tasks import TASKSETS
 from trinity_dagster.trinity_keys import TrinityKeyError, set_dotted, translate
@@ -122,6 +128,7 @@ _TRINITY_PPO_LOSS: dict[str, Any] = {
 # of that algorithm and the default arguments of its functions (docs/trinity.md). Keys the
 # file sets override them; without `algorithm_type` the field defaults (the demo's) apply.
 ALGORITHM_PRESETS: dict[str, dict[str, Any]] = {
+    "ppo": {"advantage_fn": "ppo", "repeat_times": 1, **_TRINITY_PPO_LOSS},
     "grpo": {"advantage_fn": "grpo", **_TRINITY_PPO_LOSS},
     "rloo": {"advantage_fn": "rloo", **_TRINITY_PPO_LOSS},
     "reinforce_plus_plus": {"advantage_fn": "reinforce_plus_plus", **_TRINITY_PPO_LOSS},
@@ -155,11 +162,14 @@ class AlgorithmConfig(_Section):
         "one of its names.",
     )
     repeat_times: int = Field(default=8, ge=1, description="Responses per task (GRPO group size).")
-    advantage_fn: AdvantageFn = "grpo"
+    advantage_fn: AdvantageFn | CriticAdvantageFn = Field(
+        default="grpo", description="'ppo': GAE with a critic (the `critic` section)."
+    )
     advantage_epsilon: float = Field(default=1e-6, gt=0)
     gamma: float = Field(
-        default=1.0, ge=0, le=1, description="Discount of reinforce_plus_plus returns-to-go."
+        default=1.0, ge=0, le=1, description="Discount of GAE and of reinforce_plus_plus returns."
     )
+    lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda (advantage_fn 'ppo').")
     opmd_baseline: Literal["mean", "logavgexp"] = Field(
         default="mean", description="Group baseline of the opmd advantage."
     )
@@ -194,13 +204,6 @@ class AlgorithmConfig(_Section):
         name = data["algorithm_type"]
         if isinstance(name, str):
             name = ALGORITHM_ALIASES.get(name.lower(), name.lower())
-        if name == "ppo":
-            raise _at(
-                "algorithm.algorithm_type",
-                "'ppo' (Trinity-RFT's default) trains a critic (value model) beside the actor, "
-                "which this engine does not have yet; use a critic-free algorithm: "
-                + ", ".join(ALGORITHM_PRESETS),
-            )
         preset = ALGORITHM_PRESETS.get(name, {}) if isinstance(name, str) else {}
         return {**preset, **data, "algorithm_type": name}
 
@@ -218,6 +221,27 @@ class AlgorithmConfig(_Section):
     def _advantage_alias(cls, value: object) -> object:
         """Trinity-RFT spells reinforce_plus_plus `reinforceplusplus`."""
         return ALGORITHM_ALIASES.get(value, value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _critic_settings_fit(self) -> AlgorithmConfig:
+        if self.algorithm_type == "ppo" and not self.uses_critic:
+            raise _at(
+                "algorithm.advantage_fn",
+                f"{self.advantage_fn!r}: algorithm_type 'ppo' trains a critic to estimate "
+                "advantages by GAE, advantage_fn 'ppo'; pick another algorithm_type for "
+                "critic-free advantages",
+            )
+        if self.lam != type(self).model_fields["lam"].default and not self.uses_critic:
+            raise _at(
+                "algorithm.lam",
+                f"GAE's lambda acts only with advantage_fn 'ppo', not {self.advantage_fn!r}",
+            )
+        return self
+
+    @property
+    def uses_critic(self) -> bool:
+        """True when advantages come from a value model trained beside the actor (GAE)."""
+        return self.advantage_fn == "ppo"
 
     @property
     def uses_reference_model(self) -> bool:
@@ -290,6 +314,39 @@ class OptimConfig(_Section):
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
     adam_eps: float = Field(default=1e-8, gt=0)
     grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping.")
+
+
+CRITIC_LR = 1e-5  # verl's critic learning rate
+
+
+class CriticConfig(_Section):
+    """PPO's value model, trained beside the actor when `algorithm.advantage_fn` is 'ppo'."""
+
+    model_path: str | None = Field(
+        default=None,
+        description="Local HF directory the critic starts from: a causal LM (its backbone; "
+        "a new value head) or a token-classification model with one label (backbone and "
+        "head); None: the actor's starting weights and a new value head.",
+    )
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=CRITIC_LR),
+        description=f"The critic's optimizer and schedule; lr defaults to {CRITIC_LR} (verl's).",
+    )
+    cliprange_value: float = Field(
+        default=0.5, gt=0, description="How far a value prediction may move from the old one."
+    )
+    loss_agg_mode: LossAggMode = "token-mean"
+    warmup_steps: int = Field(
+        default=0, ge=0, description="The first steps train only the critic, not the actor."
+    )
+
+    @field_validator("optim", mode="before")
+    @classmethod
+    def _critic_lr(cls, value: Any) -> Any:
+        """An `optim` section without `lr` gets the critic's default, not the actor's."""
+        if isinstance(value, dict) and "lr" not in value:
+            return {**value, "lr": CRITIC_LR}
+        return value
 
 
 class TrainerConfig(_Section):
@@ -656,6 +713,7 @@ class TrinityConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     synchronizer: SynchronizerConfig = Field(default_factory=SynchronizerConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     explorer: ExplorerConfig = Field(default_factory=ExplorerConfig)
@@ -713,6 +771,7 @@ class TrinityConfig(_Section):
                 "pipeline schedule yet (only HF import and export run under pipeline "
                 "parallelism); use tensor_model_parallel_size or data_parallel_size",
             )
+        self._check_critic()
         if self.trainer.sequence_packing and self.megatron.sequence_parallel:
             raise _at(
                 "trainer.sequence_packing",
@@ -741,6 +800,25 @@ class TrinityConfig(_Section):
             )
         return self
 
+    def _check_critic(self) -> None:
+        """The `critic` section acts only for a critic algorithm, which needs a whole sequence
+        per tensor-parallel rank."""
+        if not self.algorithm.uses_critic:
+            if self.critic != CriticConfig():
+                raise _at(
+                    "critic",
+                    f"configures PPO's value model, which advantage_fn "
+                    f"{self.algorithm.advantage_fn!r} does not train; remove it or use "
+                    "algorithm_type 'ppo'",
+                )
+            return
+        if self.megatron.sequence_parallel:
+            raise _at(
+                "megatron.sequence_parallel",
+                "the critic's value head reads whole sequences on every tensor-parallel "
+                "rank; set it false for algorithm_type 'ppo'",
+            )
+
     def _check_service_layout(self) -> None:
         """The service's nodes x ranks per node must be the engine's world size."""
         service, megatron = self.service, self.megatron
@@ -768,7 +846,7 @@ class TrinityConfig(_Section):
     def resolved_hash(self) -> str:
         """A stable hash of the configuration that training results depend on."""
         relevant = self.model_dump(
-            include={"model", "algorithm", "buffer", "trainer", "megatron"},
+            include={"model", "algorithm", "buffer", "trainer", "critic", "megatron"},
             exclude={"buffer": {"tables_root"}},  # where the tables live changes no result
         )
         blob = json.dumps(relevant, sort_keys=True, default=str).encode()
@@ -903,7 +981,8 @@ def start_fresh(config: TrinityConfig, now: dt.datetime | None = None) -> Trinit
 
 def check_inputs(config: TrinityConfig) -> None:
     """Refuse a configuration whose inputs do not exist or do not fit this machine: `model.path`
-    (and its positions), the task files, and `/dev/shm` for `sync_method: memory`.
+    (and its positions), `critic.model_path`, the task files, and `/dev/shm` for
+    `sync_method: memory`.
 
     The one-line message names each missing input's key path and path. Built-in task sets
     need no file; outputs (`run_root`, `buffer.tables_root`) are created when needed.
@@ -926,6 +1005,9 @@ def _missing_inputs(config: TrinityConfig) -> Iterator[str]:
                 f"model.max_prompt_tokens + max_response_tokens ({config.model.max_model_len}) "
                 f"exceeds max_position_embeddings ({positions}) of {model_path}/config.json"
             )
+    critic_path = config.critic.model_path
+    if critic_path is not None and not (Path(critic_path) / "config.json").is_file():
+        yield f"critic.model_path: no HF model directory (config.json) at {critic_path}"
     if config.synchronizer.sync_method is SyncMethod.MEMORY and not SHM_ROOT.is_dir():
         yield (
             f"synchronizer.sync_method: 'memory' passes weights through {SHM_ROOT}, which this "

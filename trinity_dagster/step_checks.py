@@ -8,9 +8,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-LOSS_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
+LOSS_METRICS = (
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+)
 KL_METRIC = "actor/ppo_kl"
 SFT_METRIC = "actor/sft"
+CRITIC_WARMUP_METRIC = "critic/warmup"
 
 
 def loss_is_finite(metrics: Mapping[str, float]) -> tuple[bool, str]:
@@ -28,9 +36,12 @@ def kl_within_bound(metrics: Mapping[str, float], bound: float) -> tuple[bool, s
 
     SFT warm-up steps pass: they imitate demonstrations, whose recorded log-probs are not
     a rollout policy, so their policy ratio measures nothing the bound is meant to catch.
+    The critic's warm-up steps pass too: they do not train the actor.
     """
     if metrics.get(SFT_METRIC):
         return True, "SFT step: no rollout policy ratio to bound"
+    if metrics.get(CRITIC_WARMUP_METRIC):
+        return True, "critic warm-up step: the actor was not trained"
     value = metrics.get(KL_METRIC)
     if value is None:
         return False, f"{KL_METRIC} missing"

@@ -142,7 +142,7 @@ def _staleness_args(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
 
 def _advantage_args(value: Any, data: Mapping[str, Any]) -> dict[str, Any]:
     keys = {"epsilon": "algorithm.advantage_epsilon", "gamma": "algorithm.gamma"}
-    keys |= {"tau": "algorithm.opmd_tau"}
+    keys |= {"tau": "algorithm.opmd_tau", "lam": "algorithm.lam"}
     return _args(value, keys)
 
 
@@ -387,8 +387,10 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
         "loads custom model code; only Llama/Qwen2 directories load here, with no remote code",
         accepts=(False,),
     ),
-    _refused(
-        "model.critic_model_path", "starts the critic of PPO, which is not built yet: remove it"
+    _alias(
+        "model.critic_model_path",
+        "critic.model_path",
+        "PPO's value model; an HF causal-LM or token-classification directory",
     ),
     _refused("model.lora_configs", "trains LoRA adapters; LoRA is not implemented here"),
     _refused("model.fully_sharded_loras", "a LoRA option; LoRA is not implemented here"),
@@ -452,7 +454,7 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
     _converted(
         "algorithm.advantage_fn_args",
         "algorithm.advantage_epsilon",
-        "`epsilon` -> advantage_epsilon, `gamma` -> gamma, `tau` -> opmd_tau",
+        "`epsilon` -> advantage_epsilon, `gamma` -> gamma, `lam` -> lam, `tau` -> opmd_tau",
         _advantage_args,
     ),
     _converted(
@@ -616,7 +618,7 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
         "the rollout_examples table to MLflow, TensorBoard (Text) and the step's Dagster "
         "materialisation",
     ),
-    _refused("trainer.critic_warmup", "trains PPO's critic first; PPO is not built yet: remove it"),
+    _alias("trainer.critic_warmup", "critic.warmup_steps", "steps that train only the critic"),
     _refused(
         "trainer.balance_batch",
         "balances sequence lengths across data-parallel ranks; not implemented here",
@@ -647,8 +649,8 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
     _refused(
         "trainer.trainer_config",
         "passes verl's own configuration through; the engine here is configured by "
-        "trainer.*, megatron.* and algorithm.*. Its resume_mode / resume_from_path do not "
-        "act in Trinity either (it sets resume_mode from continue_from_checkpoint): a run "
+        "trainer.*, critic.*, megatron.* and algorithm.*. Its resume_mode / resume_from_path "
+        "do not act in Trinity either (it sets resume_mode from continue_from_checkpoint): a run "
         "here resumes from its own newest checkpoint, and model.model_path can start a run "
         "from another's checkpoints/global_step_N/huggingface",
     ),

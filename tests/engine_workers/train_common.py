@@ -16,13 +16,15 @@ PROMPT = 6
 RESPONSE = 5
 
 
-def make_hf_dir(path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2) -> Path:
+def make_hf_dir(
+    path: Path, *, seed: int = 0, hidden: int = 32, layers: int = 2, vocab: int = VOCAB
+) -> Path:
     """A tiny random Llama (GQA, untied) saved with transformers into `path`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,

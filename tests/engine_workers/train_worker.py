@@ -3,9 +3,11 @@
 Usage: train_worker.py SPEC.json. Spec keys: `hf_dir`, `out`, `overrides` (dotted config
 keys), `steps` (batch seeds, one per step), and optionally `load_from` (a state dir to
 resume from), `save_after` (step after which to save the state into `save_dir`),
-`background` (save in the background), `bad_batches` (try refused inputs first).
-Rank 0 writes `out/metrics.json`, `out/weights_N.pt` (HF-named tensors after step N) and,
-with `bad_batches`, `out/refusals.json`.
+`background` (save in the background), `bad_batches` (try refused inputs first),
+`export_critic` (a directory to export the critic to before the first step),
+`with_advantages` (try the first batch with an `advantages` column first).
+Rank 0 writes `out/metrics.json`, `out/weights_N.pt` (HF-named tensors after step N), under
+PPO `out/critic_weights_N.pt` (the critic's), and with `bad_batches`, `out/refusals.json`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def main() -> None:
     try:
         if spec.get("load_from"):
             engine.load_state(Path(spec["load_from"]))
+        if spec.get("export_critic"):
+            engine.export_critic_hf(Path(spec["export_critic"]))
         if spec.get("bad_batches"):
             before = engine.hf_state_dict()
             refusals = {}
@@ -76,6 +80,16 @@ def main() -> None:
             if rank0:
                 write_json(out / "refusals.json", {"errors": refusals, "unchanged": unchanged})
                 torch.save(before, out / f"weights_{engine.step}.pt")
+        if spec.get("with_advantages"):
+            batch = make_batch(spec["steps"][0])
+            batch["advantages"] = torch.ones_like(batch["old_logprobs"])
+            try:
+                engine.train_step(engine.step + 1, batch)
+                error = None
+            except BatchError as err:
+                error = str(err)
+            if rank0:
+                write_json(out / "refusals.json", {"errors": {"with_advantages": error}})
         metrics = []
         handle = None
         for seed in spec["steps"]:
@@ -84,6 +98,10 @@ def main() -> None:
             weights = engine.hf_state_dict()
             if rank0:
                 torch.save(weights, out / f"weights_{step}.pt")
+            if engine.critic is not None:
+                critic_weights = engine.critic.hf_state_dict()
+                if rank0:
+                    torch.save(critic_weights, out / f"critic_weights_{step}.pt")
             if spec.get("save_after") == step:
                 handle = engine.save_state(
                     Path(spec["save_dir"]), background=bool(spec.get("background"))

@@ -34,6 +34,7 @@ LATEST_WEIGHTS_FILE = "latest_state_dict_iteration.txt"
 MANIFEST_FILE = "manifest.json"  # written last: every file's size and sha256, sampler state
 HF_SUBDIR = "huggingface"  # the HF export, when the save made one
 MODEL_DESCRIPTION_DIR = "model"  # the model's HF config and tokenizer, to rebuild the model
+CRITIC_DESCRIPTION_DIR = "critic_model"  # PPO's critic: its HF config, to rebuild it
 ENGINE_STATE_FILE = "engine_state.json"  # the engine's step, layout and format version
 DIST_DIR = "dist"  # Megatron's distributed checkpoint of the model and optimizer
 RNG_DIR = "rng"  # every rank's random number generator states

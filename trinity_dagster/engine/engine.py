@@ -1,9 +1,10 @@
 """`TrainEngine`: the Megatron-core actor that the engine service holds on every rank.
 
 It owns the process groups, the policy model (DDP-wrapped), an optional frozen reference
-model, the optimizer and LR scheduler, and trains one step at a time on the dicts made by
-`trinity_dagster.buffer.reader.to_tensors`. Every rank receives the whole batch; each trains
-on its data-parallel slice, and every rank returns the same metrics.
+model, PPO's critic when the algorithm has one, the optimizer and LR scheduler, and trains
+one step at a time on the dicts made by `trinity_dagster.buffer.reader.to_tensors`. Every
+rank receives the whole batch; each trains on its data-parallel slice, and every rank
+returns the same metrics.
 """
 
 from __future__ import annotations
@@ -28,15 +29,27 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from trinity_dagster.algorithms import advantages_from_config, apply_kl_penalty, mask_counts
-from trinity_dagster.checkpoint.layout import DIST_DIR, MODEL_DESCRIPTION_DIR
+from trinity_dagster.algorithms import (
+    advantages_from_config,
+    apply_kl_penalty,
+    mask_counts,
+    token_level_rewards,
+)
+from trinity_dagster.algorithms.value import explained_variance, gae_advantages_and_returns
+from trinity_dagster.checkpoint.layout import (
+    CRITIC_DESCRIPTION_DIR,
+    DIST_DIR,
+    MODEL_DESCRIPTION_DIR,
+)
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
 from trinity_dagster.engine.async_save import EngineStateSave, SaveQueue
 from trinity_dagster.engine.batch_check import BatchError, check_batch
+from trinity_dagster.engine.critic import STATE_KEY as CRITIC_STATE_KEY
+from trinity_dagster.engine.critic import Critic
 from trinity_dagster.engine.model import build_gpt_model, local_logits, packed_local_logits
-from trinity_dagster.engine.optim import build_optimizer, build_scheduler
-from trinity_dagster.engine.packing import Packing
+from trinity_dagster.engine.optim import build_optimizer, build_scheduler, has_stepped
+from trinity_dagster.engine.packing import Packing, split_micro_batches
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
     Layout,
@@ -50,6 +63,7 @@ from trinity_dagster.engine.train_step import (
     step_metrics,
     token_logprobs_and_entropy,
 )
+from trinity_dagster.files import write_text_atomic
 
 MICRO_BATCH_KEYS = ("tokens", "attention_mask", "response_mask", "old_logprobs", "advantages")
 
@@ -111,6 +125,16 @@ class TrainEngine:
             self.reference = build_gpt_model(self.hf_config, config.megatron, params_dtype=dtype)
             hf_weights.load_hf_into_model(self.reference, self.hf_dir)
             self.reference.eval().requires_grad_(False)
+        self.critic: Critic | None = None
+        if config.algorithm.uses_critic:
+            source = Path(config.critic.model_path) if config.critic.model_path else self.hf_dir
+            self.critic = Critic(
+                config,
+                self.parallel,
+                source,
+                vocab_size=self.hf_config["vocab_size"],
+                load_weights=load_weights,
+            )
         self._async_saves = SaveQueue()
         self.step = 0
 
@@ -142,12 +166,33 @@ class TrainEngine:
             local["old_logprobs"] = self._logprobs(self._gpt, local)
         if self.reference is not None:
             local["ref_logprobs"] = self._logprobs(self.reference, local)
-        advantages, extra = self._advantages(batch, local)
-        local["advantages"] = self._slice_rows(advantages)
         num_tokens, num_seqs = mask_counts(batch["response_mask"])
+        sft = step <= self.config.trainer.sft_warmup_steps
+        advantages, extra = self._advantages(batch, local, sft, num_tokens, num_seqs)
+        local["advantages"] = self._slice_rows(advantages)
+        warming_up = self._critic_warming_up(step)
+        if self.critic is not None:
+            extra["critic/warmup"] = float(warming_up)
+        if not warming_up:
+            extra.update(self._train_actor(step, local, num_tokens, num_seqs))
+            self.scheduler.step(increment=1)
+        self.step = step
+
+        metrics = dict(extra)
+        metrics.update(self._batch_metrics(batch, advantages))
+        metrics["actor/sft"] = float(sft)
+        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        metrics["time/train_step"] = float(elapsed)
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / float(elapsed)
+        return metrics
+
+    def _train_actor(
+        self, step: int, local: dict[str, Tensor], num_tokens: float, num_seqs: float
+    ) -> dict[str, float]:
+        """Update the actor on this rank's rows; its metrics (equal on every rank)."""
         settings = self._loss_settings(step, num_tokens, num_seqs)
         micro_batches = self._micro_batches(local)
-
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         sft_lr = self.config.trainer.sft_lr
@@ -173,20 +218,54 @@ class TrainEngine:
         if not ok:
             raise RuntimeError(f"step {step}: the optimizer skipped the update (grad overflow)")
         grad_norm = clip_norm if self.config.trainer.optim.grad_clip > 0 else grad_norm
-        self.scheduler.step(increment=1)
-        self.step = step
-
         metrics = step_metrics(summed, num_tokens)
-        metrics.update(extra)
-        metrics.update(self._batch_metrics(batch, advantages))
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
-        metrics["actor/sft"] = float(step <= self.config.trainer.sft_warmup_steps)
-        elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        metrics["time/train_step"] = float(elapsed)
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / float(elapsed)
         return metrics
+
+    def _critic_warming_up(self, step: int) -> bool:
+        """Whether step `step` trains only the critic: the first `critic.warmup_steps` steps
+        after the SFT steps."""
+        if self.critic is None:
+            return False
+        sft_steps = self.config.trainer.sft_warmup_steps
+        return sft_steps < step <= sft_steps + self.config.critic.warmup_steps
+
+    def _critic_step(
+        self,
+        batch: dict[str, Tensor],
+        local: dict[str, Tensor],
+        rewards: Tensor,
+        num_tokens: float,
+        num_seqs: float,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """GAE advantages [B, L] from the critic's values, then one critic update on the
+        returns; the critic's metrics."""
+        assert self.critic is not None
+        if batch.get("advantages") is not None:
+            raise BatchError(
+                "'advantages': the rows carry advantages, but algorithm 'ppo' estimates them "
+                "with its critic (GAE); write the rows without advantages"
+            )
+        algo, mask = self.config.algorithm, batch["response_mask"]
+        values = self._gather_rows(self.critic.values(local))
+        token_rewards = rewards if rewards.dim() == 2 else token_level_rewards(rewards, mask)
+        advantages, returns = gae_advantages_and_returns(
+            token_rewards, values, mask, gamma=algo.gamma, lam=algo.lam
+        )
+        metrics = self.critic.train(
+            {**local, "values": self._slice_rows(values), "returns": self._slice_rows(returns)},
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            before_update=self._async_saves.wait_for_snapshots,
+        )
+        kept_values, kept_returns = values.double()[mask], returns.double()[mask]
+        for name, kept in (("values", kept_values), ("returns", kept_returns)):
+            metrics[f"critic/{name}/mean"] = float(kept.mean())
+            metrics[f"critic/{name}/max"] = float(kept.max())
+            metrics[f"critic/{name}/min"] = float(kept.min())
+        metrics["critic/vf_explained_var"] = explained_variance(returns, values, mask)
+        return advantages, metrics
 
     def _forward_step(
         self, settings: LossSettings, num_microbatches: int, data_iterator, model
@@ -253,14 +332,7 @@ class TrainEngine:
         return tensor[start : start + rows]
 
     def _micro_batches(self, local: dict[str, Tensor]) -> list[dict[str, Tensor]]:
-        size = self.config.trainer.micro_batch_size
-        rows = local["tokens"].shape[0]
-        pieces = []
-        for start in range(0, rows, size):
-            piece = {key: value[start : start + size] for key, value in local.items()}
-            length = int(piece["attention_mask"].sum(dim=1).max())
-            pieces.append({key: value[:, :length].contiguous() for key, value in piece.items()})
-        return pieces
+        return split_micro_batches(local, self.config.trainer.micro_batch_size)
 
     @torch.no_grad()
     def _logprobs(self, model: GPTModel, local: dict[str, Tensor]) -> Tensor:
@@ -282,12 +354,34 @@ class TrainEngine:
         return out
 
     def _advantages(
+        self,
+        batch: dict[str, Tensor],
+        local: dict[str, Tensor],
+        sft: bool,
+        num_tokens: float,
+        num_seqs: float,
+    ) -> tuple[Tensor, dict[str, float]]:
+        """Advantages [B, L] of the whole batch, and the metrics of what made them: a KL
+        penalty, and the critic's update under PPO."""
+        if self.critic is None and batch.get("advantages") is not None:
+            return batch["advantages"].float(), {}
+        if self.critic is not None and sft:  # demonstrations: the critic neither reads nor learns
+            return torch.zeros_like(batch["old_logprobs"]), {}
+        rewards, extra = self._rewards(batch, local)
+        if self.critic is None:
+            advantages = advantages_from_config(
+                self.config.algorithm, rewards, batch["group_index"], batch["response_mask"]
+            )
+            return advantages.float(), extra
+        advantages, critic_metrics = self._critic_step(batch, local, rewards, num_tokens, num_seqs)
+        return advantages, {**extra, **critic_metrics}
+
+    def _rewards(
         self, batch: dict[str, Tensor], local: dict[str, Tensor]
     ) -> tuple[Tensor, dict[str, float]]:
-        """Advantages [B, L] of the whole batch, and KL-penalty metrics if one is applied."""
+        """The whole batch's rewards ([B], or token-level [B, L] after a KL penalty) and the
+        penalty's metrics if one is applied."""
         algo = self.config.algorithm
-        if batch.get("advantages") is not None:
-            return batch["advantages"].float(), {}
         rewards: Tensor = batch["rewards"].float()
         extra: dict[str, float] = {}
         if algo.kl_penalty_fn != "none" and algo.kl_penalty_coef > 0:
@@ -306,10 +400,7 @@ class TrainEngine:
                 "critic/kl": float(mean_kl) / self.parallel.dp_size,
                 "critic/kl_coef": algo.kl_penalty_coef,
             }
-        advantages = advantages_from_config(
-            algo, rewards, batch["group_index"], batch["response_mask"]
-        )
-        return advantages.float(), extra
+        return rewards, extra
 
     def _gather_rows(self, local: Tensor) -> Tensor:
         """The whole batch's rows, gathered in rank order from every data-parallel rank."""
@@ -360,27 +451,56 @@ class TrainEngine:
             data_parallel_size=self.parallel.dp_size,
         )
 
-    def _sharded_state_dict(self, *, is_loading: bool) -> dict[str, Any]:
+    def _sharded_state_dict(self, *, loading_from: Path | None = None) -> dict[str, Any]:
+        """What a state directory holds: to save now, or to load from `loading_from`.
+
+        An optimizer that has not stepped yet holds nothing and is not saved (the actor
+        during the critic's warm-up, the critic during SFT steps); a load restores an
+        optimizer only if the directory has it.
+        """
+        is_loading = loading_from is not None
+        saved = (
+            dist_checkpointing.load_common_state_dict(str(loading_from / DIST_DIR))
+            if loading_from is not None
+            else None
+        )
         model_sd = self._gpt.sharded_state_dict()
-        return {
+        state: dict[str, Any] = {
             "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
         }
+        if _with_optimizer(self.optimizer, saved):
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        if self.critic is not None:
+            state[CRITIC_STATE_KEY] = self.critic.sharded_state_dict(
+                is_loading=is_loading,
+                with_optimizer=_with_optimizer(
+                    self.critic.optimizer, None if saved is None else saved[CRITIC_STATE_KEY]
+                ),
+            )
+        return state
 
     def save_state(self, ckpt_dir: Path, *, background: bool = False) -> EngineStateSave:
-        """Save weights, optimizer, LR scheduler, RNG states and step to `ckpt_dir`.
+        """Save weights, optimizer, LR scheduler, RNG states and step to `ckpt_dir`; under PPO
+        the critic's weights, optimizer and scheduler too.
 
         With `background`, tensors are written in the background and training may go on;
         the returned handle's `done()`/`wait()` are collective (call them on every rank).
-        The model's HF config and tokenizer go to `model/`, so the state converts on its own.
+        The model's HF config and tokenizer go to `model/` (the critic's config to
+        `critic_model/`), so the state converts on its own.
         """
         if self.parallel.is_rank0:
             copy_model_description(self.hf_dir, Path(ckpt_dir) / MODEL_DESCRIPTION_DIR)
+            if self.critic is not None:
+                critic_dir = Path(ckpt_dir) / CRITIC_DESCRIPTION_DIR
+                critic_dir.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(
+                    critic_dir / "config.json", json.dumps(self.critic.description(), indent=2)
+                )
         return save_engine_state(
             Path(ckpt_dir),
-            self._sharded_state_dict(is_loading=False),
+            self._sharded_state_dict(),
             step=self.step,
             layout=self._layout(),
             queue=self._async_saves if background else None,
@@ -389,26 +509,36 @@ class TrainEngine:
     def load_state(self, ckpt_dir: Path) -> None:
         """Restore the exact state saved in `ckpt_dir`: weights, optimizer, scheduler, RNG."""
         self._async_saves.finalize(blocking=True)
+        read_engine_state(Path(ckpt_dir))  # a complete state, or a clear error
         loaded, meta = load_engine_state(
-            Path(ckpt_dir), self._sharded_state_dict(is_loading=True), self._layout()
+            Path(ckpt_dir), self._sharded_state_dict(loading_from=Path(ckpt_dir)), self._layout()
         )
         self._gpt.load_state_dict(loaded["model"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        if "optimizer" in loaded:
+            self.optimizer.load_state_dict(loaded["optimizer"])
         self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(loaded["scheduler"])
+        if self.critic is not None:
+            self.critic.load_state(loaded[CRITIC_STATE_KEY])
         self.step = int(meta["step"])
 
     def load_weights(self, ckpt_dir: Path) -> None:
-        """Restore only the model weights of a saved state (no optimizer, scheduler or RNG).
+        """Restore only the weights of a saved state, the critic's too when this engine has
+        one (no optimizer, scheduler or RNG).
 
         For exporting a checkpoint whatever the run's optimizer or schedule settings were.
         """
         meta = read_engine_state(Path(ckpt_dir))
         self._async_saves.wait_for_snapshots()
-        loaded = dist_checkpointing.load(
-            {"model": self._gpt.sharded_state_dict()}, str(Path(ckpt_dir) / DIST_DIR)
-        )
+        wanted: dict[str, Any] = {"model": self._gpt.sharded_state_dict()}
+        if self.critic is not None:
+            wanted[CRITIC_STATE_KEY] = self.critic.sharded_state_dict(
+                is_loading=True, with_optimizer=False
+            )["model"]
+        loaded = dist_checkpointing.load(wanted, str(Path(ckpt_dir) / DIST_DIR))
         self._gpt.load_state_dict(loaded["model"], strict=False)
+        if self.critic is not None:
+            self.critic.load_weights(loaded[CRITIC_STATE_KEY])
         self.step = int(meta["step"])
 
     # -- weights out ----------------------------------------------------------------------
@@ -416,6 +546,12 @@ class TrainEngine:
     def export_hf(self, out_dir: Path) -> None:
         """Write the current weights as a Hugging Face directory (collective)."""
         hf_weights.export_model_to_hf(self._gpt, self.hf_config, Path(out_dir), self.hf_dir)
+
+    def export_critic_hf(self, out_dir: Path) -> None:
+        """Write the critic as an HF token-classification directory (collective)."""
+        if self.critic is None:
+            raise ValueError("this engine has no critic: the algorithm is not 'ppo'")
+        self.critic.export_hf(Path(out_dir), self.hf_dir)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The current weights under HF names, full tensors on global rank 0 (collective).
@@ -428,6 +564,12 @@ class TrainEngine:
         """Finish pending background saves and tear down the process groups."""
         self._async_saves.close()
         destroy_distributed()
+
+
+def _with_optimizer(optimizer: Any, saved: dict[str, Any] | None) -> bool:
+    """Whether a state holds `optimizer`: it has stepped (saving), or the `saved` common
+    state of its model has an "optimizer" entry (loading)."""
+    return has_stepped(optimizer) if saved is None else "optimizer" in saved
 
 
 __all__ = ["BatchError", "StepOrderError", "TrainEngine"]

@@ -34,6 +34,7 @@ from trinity_dagster.engine.model import (
     tied_embeddings,
     unwrap_model,
 )
+from trinity_dagster.engine.value_model import SCORE_BIAS, SCORE_WEIGHT, ValueHead
 
 
 class HFWeightsError(ValueError):
@@ -82,7 +83,10 @@ def _slots(model: GPTModel, hf_config: dict[str, Any]) -> Iterator[_Slot]:
         yield _Slot(mlp.linear_fc2.weight, (p + "mlp.down_proj.weight",), "row")
     if model.post_process:
         yield _Slot(model.decoder.final_layernorm.weight, ("model.norm.weight",), "replicated")
-        if tied_embeddings(hf_config):
+        if isinstance(model.output_layer, ValueHead):
+            yield _Slot(model.output_layer.weight, (SCORE_WEIGHT,), "replicated")
+            yield _Slot(model.output_layer.bias, (SCORE_BIAS,), "replicated")
+        elif tied_embeddings(hf_config):
             if not model.pre_process:  # last stage's copy of the shared embedding
                 yield _Slot(model.output_layer.weight, ("model.embed_tokens.weight",), "vocab")
         else:
@@ -203,8 +207,10 @@ class _TensorReader:
 def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path) -> None:
     """Load this rank's shards of the HF weights in `hf_dir` into `model` (copied in place).
 
-    Raises HFWeightsError naming the tensor and file on a missing, unexpected or misshaped
-    tensor.
+    A value model (`ValueHead`) loads its head from `score.*` when the directory has it (a
+    token-classification model) and keeps its own otherwise (a causal LM, whose `lm_head`
+    it does not use). Raises HFWeightsError naming the tensor and file on a missing,
+    unexpected or misshaped tensor.
     """
     hf_dir = Path(hf_dir)
     gpt = unwrap_model(model)
@@ -214,8 +220,12 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path) -> None:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     used: set[str] = set()
+    value_model = gpt.post_process and isinstance(gpt.output_layer, ValueHead)
+    slots = list(_slots(gpt, hf_config))
+    if value_model and SCORE_WEIGHT not in files:
+        slots = [slot for slot in slots if slot.hf_names[0] not in (SCORE_WEIGHT, SCORE_BIAS)]
     with torch.no_grad():
-        for slot in _slots(gpt, hf_config):
+        for slot in slots:
             hf = [reader.get(name) for name in slot.hf_names]
             _check_hf_shapes(slot, hf, hf_config, files)
             shard = _local_shard(slot, hf, hf_config, tp, rank)
@@ -228,7 +238,7 @@ def load_hf_into_model(model: torch.nn.Module, hf_dir: str | Path) -> None:
             slot.param.copy_(shard)
             used.update(slot.hf_names)
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        ignorable = {"lm_head.weight"} if tied_embeddings(hf_config) else set()
+        ignorable = {"lm_head.weight"} if tied_embeddings(hf_config) or value_model else set()
         unexpected = sorted(set(files) - used - ignorable)
         if unexpected:
             raise HFWeightsError(

@@ -314,8 +314,16 @@ def local_logits(
     zero probability. `attention_mask` is a [B, T] padding mask (1 = real token); positions
     are 0..T-1 (right padding). Needs pipeline-parallel size 1.
     """
+    return _mask_padded_vocab(unwrap_model(model), padded_forward(model, tokens, attention_mask))
+
+
+def padded_forward(
+    model: torch.nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The model's output [B, T, ...] for right-padded rows `tokens` [B, T] (`attention_mask`:
+    1 = real token), positions 0..T-1. Needs pipeline-parallel size 1."""
     if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("local_logits needs pipeline_model_parallel_size 1; use the schedules")
+        raise ValueError("the forward needs pipeline_model_parallel_size 1; use the schedules")
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     batch, seq = tokens.shape
@@ -330,8 +338,7 @@ def local_logits(
     mask = None  # no padding: the core attention applies the causal mask itself (fast path)
     if attention_mask is not None and not bool(attention_mask.all()):
         mask = causal_attention_mask(batch, seq, attention_mask, device=device)
-    logits = model(input_ids=tokens, position_ids=positions, attention_mask=mask)
-    return _mask_padded_vocab(gpt, logits)
+    return model(input_ids=tokens, position_ids=positions, attention_mask=mask)
 
 
 def packed_local_logits(
@@ -343,8 +350,14 @@ def packed_local_logits(
     Each row attends only to itself and its positions start at 0, as in `local_logits` of the
     padded rows. Needs pipeline-parallel size 1 and no sequence parallelism.
     """
+    return _mask_padded_vocab(unwrap_model(model), packed_forward(model, tokens, packing))
+
+
+def packed_forward(model: torch.nn.Module, tokens: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """The model's output [1, S, ...] for the rows `packing` laid back to back in `tokens`
+    [1, S]. Needs pipeline-parallel size 1 and no sequence parallelism."""
     if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("packed_local_logits needs pipeline_model_parallel_size 1")
+        raise ValueError("the packed forward needs pipeline_model_parallel_size 1")
     if tuple(tokens.shape) != (1, packing.num_tokens):
         raise ValueError(
             f"packed tokens must be [1, {packing.num_tokens}], got shape {tuple(tokens.shape)}"
@@ -352,13 +365,12 @@ def packed_local_logits(
     gpt = unwrap_model(model)
     if gpt.config.sequence_parallel:
         raise ValueError("packed sequences need megatron.sequence_parallel false")
-    logits = model(
+    return model(
         input_ids=tokens,
         position_ids=packing.positions(),
         attention_mask=None,
         packed_seq_params=packing.seq_params(),
     )
-    return _mask_padded_vocab(gpt, logits)
 
 
 def _mask_padded_vocab(gpt: GPTModel, logits: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -72,3 +74,21 @@ def build_scheduler(
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=False,
     )
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer (chained or not)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for part in chained for inner in torch_optimizers(part)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def has_stepped(optimizer: MegatronOptimizer) -> bool:
+    """Whether the optimizer has made a step, so that it holds state (Adam's moments) to save.
+
+    A model that has not been updated yet (the actor during the critic's warm-up, the critic
+    during SFT steps) has an optimizer with nothing to save or restore.
+    """
+    return any(inner.state for inner in torch_optimizers(optimizer))

@@ -71,3 +71,14 @@ class Packing:
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
         )
+
+
+def split_micro_batches(local: dict[str, Tensor], size: int) -> list[dict[str, Tensor]]:
+    """`local`'s right-padded rows in pieces of `size` rows, each cut to its longest row."""
+    rows = local["tokens"].shape[0]
+    pieces = []
+    for start in range(0, rows, size):
+        piece = {key: value[start : start + size] for key, value in local.items()}
+        length = int(piece["attention_mask"].sum(dim=1).max())
+        pieces.append({key: value[:, :length].contiguous() for key, value in piece.items()})
+    return pieces
