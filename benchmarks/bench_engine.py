@@ -9,7 +9,10 @@ last line printed is one JSON object with the figures: the benchmark size; under
 micro-batch 8, where fixed costs per call weigh most; under `packed`
 (ratio also as `packed_ratio`) the benchmark size with rollout-like row lengths (about half
 the positions real), the engine packing its micro-batches against the plain loop padding
-each micro-batch to its longest row, in real (effective) tokens/s.
+each micro-batch to its longest row, in real (effective) tokens/s; under `ppo` (ratio also
+as `ppo_ratio`) a PPO step at the benchmark size, actor and critic: the engine's value model
+and GAE against transformers' LlamaForTokenClassification (one label) as the plain loop's
+critic, each with its own AdamW, the same GAE, clipped value loss and PPO-clip loss.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +42,7 @@ def build_engine(hf_dir: Path, args: argparse.Namespace):
                 "max_response_tokens": args.seq // 2,
                 "max_position_embeddings": 2 * args.seq,
             },
-            "algorithm": {"repeat_times": 4},
+            "algorithm": {"repeat_times": 4, **ALGORITHM[args.algorithm]},
             "buffer": {"train_batch_size": args.batch},
             "trainer": {
                 "micro_batch_size": args.micro_batch,
@@ -49,6 +53,70 @@ def build_engine(hf_dir: Path, args: argparse.Namespace):
         }
     )
     return TrainEngine(config, hf_dir)
+
+
+# The engine's algorithm settings per case; the plain loops below do the same math.
+ALGORITHM = {
+    "grpo": {},
+    "ppo": {"algorithm_type": "ppo", "kl_loss_fn": "none", "clip_range_high": 0.28},
+}
+
+
+def pieces(batch: dict[str, torch.Tensor], micro_batch: int):
+    """The batch's micro-batches, each cut to its longest row, with their first row index."""
+    for start in range(0, batch["tokens"].shape[0], micro_batch):
+        part = {k: v[start : start + micro_batch] for k, v in batch.items()}
+        longest = int(part["attention_mask"].sum(dim=1).max())
+        yield start, {k: v[:, :longest] if v.dim() == 2 else v for k, v in part.items()}
+
+
+def torch_ppo_step(models, optimizers, batch: dict[str, torch.Tensor], micro_batch: int) -> float:
+    """One PPO step of the plain loop: critic values, GAE, a critic update on the clipped value
+    loss, then the actor's PPO-clip update, micro-batched like the engine; the entropy."""
+    from trinity_dagster.algorithms import token_level_rewards
+    from trinity_dagster.algorithms.value import gae_advantages_and_returns
+
+    actor, critic = models
+    actor_opt, critic_opt = optimizers
+    mask = batch["response_mask"]
+    values = torch.zeros(mask.shape)
+    with torch.no_grad():
+        for start, part in pieces(batch, micro_batch):
+            out = critic(input_ids=part["tokens"], attention_mask=part["attention_mask"].long())
+            v = torch.nn.functional.pad(out.logits[:, :-1, 0], (1, 0))
+            values[start : start + v.shape[0], : v.shape[1]] = v
+    rewards = token_level_rewards(batch["rewards"].float(), mask)
+    advantages, returns = gae_advantages_and_returns(rewards, values, mask, gamma=1.0, lam=1.0)
+    num_tokens = mask.sum()
+    critic_opt.zero_grad()
+    for start, part in pieces(batch, micro_batch):
+        rows, length = part["tokens"].shape
+        old = values[start : start + rows, :length]
+        target = returns[start : start + rows, :length]
+        out = critic(input_ids=part["tokens"], attention_mask=part["attention_mask"].long())
+        vpred = torch.nn.functional.pad(out.logits[:, :-1, 0], (1, 0))
+        clipped = torch.maximum(torch.minimum(vpred, old + 0.5), old - 0.5)
+        loss = torch.maximum((vpred - target) ** 2, (clipped - target) ** 2)
+        (0.5 * loss[part["response_mask"]].sum() / num_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+    critic_opt.step()
+    actor_opt.zero_grad()
+    entropy = 0.0
+    for start, part in pieces(batch, micro_batch):
+        tokens, part_mask = part["tokens"], part["response_mask"]
+        logits = actor(input_ids=tokens, attention_mask=part["attention_mask"].long()).logits
+        logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        logp = torch.nn.functional.pad(logp_all.gather(-1, tokens[:, 1:, None])[..., 0], (1, 0))
+        with torch.no_grad():  # a metric, as the engine's
+            entropy += float((-(logp_all.exp() * logp_all).sum(-1))[part_mask[:, 1:]].sum())
+        adv = advantages[start : start + tokens.shape[0], : tokens.shape[1]]
+        ratio = torch.exp((logp - part["old_logprobs"]).clamp(-20, 20))
+        surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+        surrogate = torch.where(adv < 0, torch.minimum(surrogate, -3.0 * adv), surrogate)
+        (surrogate[part_mask].sum() / num_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+    actor_opt.step()
+    return entropy / float(num_tokens)
 
 
 def torch_step(model, optimizer, batch: dict[str, torch.Tensor], micro_batch: int) -> float:
@@ -125,10 +193,15 @@ def run_case(tmp: Path, args: argparse.Namespace) -> dict:
         heads=args.heads,
         seq=args.seq,
     )
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, LlamaForTokenClassification
 
     model = LlamaForCausalLM.from_pretrained(hf_dir).float().train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    plain_step = partial(torch_step, model, optimizer)
+    if args.algorithm == "ppo":
+        critic = LlamaForTokenClassification.from_pretrained(hf_dir, num_labels=1).float().train()
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-5, weight_decay=0.0)
+        plain_step = partial(torch_ppo_step, (model, critic), (optimizer, critic_opt))
     engine = build_engine(hf_dir, args)
     try:
         # Alternate the two so that load from other processes hits both alike.
@@ -140,7 +213,7 @@ def run_case(tmp: Path, args: argparse.Namespace) -> dict:
                 vocab=args.vocab,
             )
             engine_s = timed(lambda b=batch, n=step: engine.train_step(n, b))
-            torch_s = timed(lambda b=batch: torch_step(model, optimizer, b, args.micro_batch))
+            torch_s = timed(lambda b=batch: plain_step(b, args.micro_batch))
             if step > args.warmup:
                 engine_times.append(engine_s)
                 torch_times.append(torch_s)
@@ -157,6 +230,7 @@ def run_case(tmp: Path, args: argparse.Namespace) -> dict:
         "torch_step_s": round(min(torch_times), 3),
         "real_token_fraction": round(sum(tokens) / (len(tokens) * args.batch * args.seq), 3),
         "sequence_packing": args.varied,
+        "algorithm": args.algorithm,
         "hidden": args.hidden,
         "layers": args.layers,
         "seq": args.seq,
@@ -185,10 +259,12 @@ def main() -> None:
     parser.add_argument("--packed-batch", type=int, default=32, help="rows, packed case")
     args = parser.parse_args()
     args.varied = False
+    args.algorithm = "grpo"
     small_args = argparse.Namespace(
         **{**vars(args), **SMALL_CASE, "warmup": 2, "steps": args.small_steps}
     )
     packed_args = argparse.Namespace(**{**vars(args), "batch": args.packed_batch, "varied": True})
+    ppo_args = argparse.Namespace(**{**vars(args), "algorithm": "ppo"})
     # Megatron's parallel state is global per process: one engine at a time, closed in between.
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         result = run_case(Path(tmp), args)
@@ -198,8 +274,12 @@ def main() -> None:
         packed = run_case(Path(tmp), packed_args)
     result["small"] = small
     result["small_ratio"] = small["ratio"]
+    with tempfile.TemporaryDirectory(prefix="bench-engine-ppo-") as tmp:
+        ppo = run_case(Path(tmp), ppo_args)
     result["packed"] = packed
     result["packed_ratio"] = packed["ratio"]
+    result["ppo"] = ppo
+    result["ppo_ratio"] = ppo["ratio"]
     result["threads"] = torch.get_num_threads()
     print(json.dumps(result))
 

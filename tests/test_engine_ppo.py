@@ -242,3 +242,20 @@ def test_ppo_under_tensor_and_data_parallel_matches_one_rank(
     for step in (1, 2):
         assert_weights_close(weights(single, step), weights(parallel, step), atol=1e-4)
         assert_weights_close(critic_weights(single, step), critic_weights(parallel, step), 1e-4)
+
+
+def test_after_sft_steps_the_critic_starts_from_the_sft_actor(hf_dir: Path, tmp_path: Path):
+    """SFT steps leave the critic alone; the first RL step gives it the actor's backbone as it
+    is then (the critic's lr is tiny here, so its update hardly moves it)."""
+    overrides = {**PPO, "trainer.sft_warmup_steps": 1, "critic.optim.lr": 1e-12}
+    out = run_worker(
+        tmp_path, "sft", {"hf_dir": str(hf_dir), "steps": [1, 2], "overrides": overrides}
+    )
+    sft_step, rl_step = metrics(out)
+    assert sft_step["actor/sft"] == 1.0 and "critic/vf_loss" not in sft_step
+    assert "critic/vf_loss" in rl_step
+    actor_after_sft, critic_after_rl = weights(out, 1), critic_weights(out, 2)
+    backbone = {k: v for k, v in critic_after_rl.items() if not k.startswith("score.")}
+    assert_weights_close(backbone, {k: actor_after_sft[k] for k in backbone}, atol=1e-9)
+    initial = load_hf(hf_dir).state_dict()
+    assert not torch.equal(actor_after_sft["model.norm.weight"], initial["model.norm.weight"])

@@ -5,7 +5,8 @@ the fault armed (`TRINITY_DAGSTER_FAULT`, `trinity_dagster.faults`). The schedul
 (`sync_interval` 1, `save_interval` 2) publishes weights 1 and 3, saves checkpoint 2 in the
 background serving as its sync, and ends with the blocking final save 4 serving as the sync.
 The training must finish by itself with the uninterrupted run's final weights, bit for bit,
-each step reported once with the uninterrupted run's losses.
+each step reported once with the uninterrupted run's losses. Under PPO the critic's final
+weights must match too, after kills during its warm-up (steps 1-2 train only the critic).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trinity_dagster.checkpoint.layout import (
     scan_step_dirs,
 )
 from trinity_dagster.checkpoint.shm_weights import remove_shm_dir
+from trinity_dagster.commands.convert_cmd import export_checkpoint
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.faults import ENV, fired_path
 from trinity_dagster.handoff.trainer_state import read_trainer_state
@@ -44,6 +46,7 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 SCHEDULE: dict[str, Any] = {"trainer": {"total_steps": STEPS, "save_interval": 2}}
 MEMORY: dict[str, Any] = {"synchronizer": {"sync_method": "memory"}}
+PPO: dict[str, Any] = {"algorithm": {"algorithm_type": "ppo"}, "critic": {"warmup_steps": 2}}
 HANG_TIMEOUT_S = 8.0
 
 
@@ -52,11 +55,12 @@ class StepLog(TrainerHook):
 
     def __init__(self) -> None:
         self.steps: list[int] = []
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, tuple[float | None, float | None]] = {}
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
         self.steps.append(step)
-        self.losses[step] = record["metrics"]["actor/pg_loss"]
+        losses = record["metrics"]
+        self.losses[step] = (losses.get("actor/pg_loss"), losses.get("critic/vf_loss"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,12 @@ class Outcome:
     weights: dict[str, torch.Tensor]
     log: StepLog
     paths: RunPaths
+
+    def critic(self) -> dict[str, torch.Tensor]:
+        """The final checkpoint's critic, exported to HF format."""
+        out = self.paths.root / "critic_hf"
+        export_checkpoint(checkpoint_dir(self.paths, STEPS), out, critic=True)
+        return load_file(out / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +176,30 @@ def test_a_hung_train_step_is_killed_within_the_bound_and_recovers(
     detected_after = kills[0].created - record["fired_at"]
     assert HANG_TIMEOUT_S < detected_after < HANG_TIMEOUT_S + 2 * 2.0 + 5.0, detected_after
     assert_same_training(got, reference)
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(seed_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    """The uninterrupted PPO run, once per module."""
+    return train(seed_run, tmp_path_factory.mktemp("ppo_reference"), PPO)
+
+
+@pytest.mark.parametrize("fault", ["optimizer_step:2", "checkpoint_renamed:2"])
+def test_a_kill_during_the_critic_warmup_recovers_actor_and_critic(
+    fault: str,
+    seed_run: Path,
+    ppo_reference: Outcome,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Step 2 trains only the critic: a kill at its optimizer step, or once its background
+    checkpoint is renamed, ends with the same actor and critic."""
+    monkeypatch.setenv(ENV, fault)
+    got = train(seed_run, tmp_path, PPO)
+    assert fired(got.paths)["step"] == 2
+    assert_same_training(got, ppo_reference)
+    assert got.log.losses[2][0] is None and got.log.losses[3][0] is not None
+    expected = ppo_reference.critic()
+    critic = got.critic()
+    assert critic.keys() == expected.keys()
+    assert all(torch.equal(critic[k], expected[k]) for k in expected)

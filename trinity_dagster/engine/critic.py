@@ -94,6 +94,18 @@ class Critic:
             self.optimizer, config.critic.optim, config.trainer.total_steps
         )
 
+    @torch.no_grad()
+    def start_from(self, actor: GPTModel) -> None:
+        """Copy the actor's current weights into the critic's backbone (the head stays).
+
+        The actor must have the critic's architecture and parallel layout: the critic was
+        built from the actor's starting model."""
+        source = dict(actor.named_parameters())
+        for name, param in self.gpt.named_parameters():
+            if not name.startswith("output_layer."):
+                param.copy_(source[name])
+        self.optimizer.reload_model_params()  # fp32 main copies under bf16
+
     def _packing(self, micro_batch: dict[str, Tensor]) -> Packing | None:
         if not self.config.trainer.sequence_packing:
             return None
@@ -203,6 +215,8 @@ class Critic:
         self.gpt.load_state_dict(_unprefixed(loaded["model"]))
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            self.optimizer.reload_model_params()
         self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(loaded["scheduler"])
 

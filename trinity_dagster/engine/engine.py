@@ -168,7 +168,7 @@ class TrainEngine:
             local["ref_logprobs"] = self._logprobs(self.reference, local)
         num_tokens, num_seqs = mask_counts(batch["response_mask"])
         sft = step <= self.config.trainer.sft_warmup_steps
-        advantages, extra = self._advantages(batch, local, sft, num_tokens, num_seqs)
+        advantages, extra = self._advantages(step, batch, local, num_tokens, num_seqs)
         local["advantages"] = self._slice_rows(advantages)
         warming_up = self._critic_warming_up(step)
         if self.critic is not None:
@@ -222,6 +222,13 @@ class TrainEngine:
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
         return metrics
+
+    def _start_critic_from_actor(self) -> None:
+        """At the first RL step after SFT steps, a critic without its own `model_path` takes
+        the actor's backbone as it is then (verl's critic starts from the RL actor)."""
+        assert self.critic is not None
+        if self.config.critic.model_path is None:
+            self.critic.start_from(self._gpt)
 
     def _critic_warming_up(self, step: int) -> bool:
         """Whether step `step` trains only the critic: the first `critic.warmup_steps` steps
@@ -355,9 +362,9 @@ class TrainEngine:
 
     def _advantages(
         self,
+        step: int,
         batch: dict[str, Tensor],
         local: dict[str, Tensor],
-        sft: bool,
         num_tokens: float,
         num_seqs: float,
     ) -> tuple[Tensor, dict[str, float]]:
@@ -365,8 +372,11 @@ class TrainEngine:
         penalty, and the critic's update under PPO."""
         if self.critic is None and batch.get("advantages") is not None:
             return batch["advantages"].float(), {}
-        if self.critic is not None and sft:  # demonstrations: the critic neither reads nor learns
-            return torch.zeros_like(batch["old_logprobs"]), {}
+        sft_steps = self.config.trainer.sft_warmup_steps
+        if self.critic is not None and step <= sft_steps:
+            return torch.zeros_like(batch["old_logprobs"]), {}  # demonstrations: no critic
+        if self.critic is not None and step == sft_steps + 1 and sft_steps > 0:
+            self._start_critic_from_actor()
         rewards, extra = self._rewards(batch, local)
         if self.critic is None:
             advantages = advantages_from_config(
@@ -516,6 +526,8 @@ class TrainEngine:
         self._gpt.load_state_dict(loaded["model"])
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            self.optimizer.reload_model_params()
         self.scheduler.num_steps = 0
         self.scheduler.load_state_dict(loaded["scheduler"])
         if self.critic is not None:
