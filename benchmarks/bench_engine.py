@@ -48,6 +48,7 @@ def build_engine(hf_dir: Path, args: argparse.Namespace):
                 "micro_batch_size": args.micro_batch,
                 "sequence_packing": args.varied,
                 "total_steps": args.warmup + args.steps,
+                "sft_warmup_steps": 0,  # RL steps from the first (the default has SFT steps)
                 "optim": {"lr": 1e-5},
             },
         }

@@ -259,3 +259,15 @@ def test_after_sft_steps_the_critic_starts_from_the_sft_actor(hf_dir: Path, tmp_
     assert_weights_close(backbone, {k: actor_after_sft[k] for k in backbone}, atol=1e-9)
     initial = load_hf(hf_dir).state_dict()
     assert not torch.equal(actor_after_sft["model.norm.weight"], initial["model.norm.weight"])
+
+
+def test_a_state_saved_without_a_critic_is_refused_by_name(hf_dir: Path, tmp_path: Path):
+    state = tmp_path / "grpo_state"
+    spec = {"hf_dir": str(hf_dir), "steps": [1], "save_after": 1, "save_dir": str(state)}
+    run_worker(tmp_path, "grpo", spec)
+    with pytest.raises(AssertionError, match=r"grpo_state holds no critic"):
+        run_worker(
+            tmp_path,
+            "ppo",
+            {"hf_dir": str(hf_dir), "steps": [], "overrides": PPO, "load_from": str(state)},
+        )

@@ -82,12 +82,21 @@ class Progress:
                 f"{head} explore  {kind}: reward {meta.get('reward_mean', float('nan')):.3f}, "
                 f"weights v{meta.get('weights_version')}"
             )
-        return (
-            f"{head} train    pg_loss {meta.get('actor/pg_loss', float('nan')):+.4f}, "
-            f"entropy {meta.get('actor/entropy', float('nan')):.3f}, "
-            f"reward {meta.get('critic/rewards/mean', float('nan')):.3f}, "
-            f"{meta.get('time/step', float('nan')):.2f}s"
-        )
+        nan = float("nan")
+        if meta.get("critic/warmup"):
+            parts = ["critic warm-up"]
+        else:
+            parts = [
+                f"pg_loss {meta.get('actor/pg_loss', nan):+.4f}",
+                f"entropy {meta.get('actor/entropy', nan):.3f}",
+            ]
+        if "critic/vf_loss" in meta:
+            parts.append(f"vf_loss {meta['critic/vf_loss']:.4f}")
+        parts += [
+            f"reward {meta.get('critic/rewards/mean', nan):.3f}",
+            f"{meta.get('time/step', nan):.2f}s",
+        ]
+        return f"{head} train    " + ", ".join(parts)
 
     def sensor_failure(self) -> str | None:
         """The error of the loop's sensor once `FAILED_TICKS` of its ticks failed in a row.

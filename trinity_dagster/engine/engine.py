@@ -52,6 +52,7 @@ from trinity_dagster.engine.optim import build_optimizer, build_scheduler, has_s
 from trinity_dagster.engine.packing import Packing, split_micro_batches
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
+    EngineStateError,
     Layout,
     load_engine_state,
     read_engine_state,
@@ -167,7 +168,9 @@ class TrainEngine:
         if self.reference is not None:
             local["ref_logprobs"] = self._logprobs(self.reference, local)
         num_tokens, num_seqs = mask_counts(batch["response_mask"])
-        sft = step <= self.config.trainer.sft_warmup_steps
+        sft_steps = self.config.trainer.sft_warmup_steps
+        if self.critic is not None and step == sft_steps + 1 and sft_steps > 0:
+            self._start_critic_from_actor()
         advantages, extra = self._advantages(step, batch, local, num_tokens, num_seqs)
         local["advantages"] = self._slice_rows(advantages)
         warming_up = self._critic_warming_up(step)
@@ -180,7 +183,7 @@ class TrainEngine:
 
         metrics = dict(extra)
         metrics.update(self._batch_metrics(batch, advantages))
-        metrics["actor/sft"] = float(sft)
+        metrics["actor/sft"] = float(step <= sft_steps)
         elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         metrics["time/train_step"] = float(elapsed)
@@ -372,11 +375,8 @@ class TrainEngine:
         penalty, and the critic's update under PPO."""
         if self.critic is None and batch.get("advantages") is not None:
             return batch["advantages"].float(), {}
-        sft_steps = self.config.trainer.sft_warmup_steps
-        if self.critic is not None and step <= sft_steps:
+        if self.critic is not None and step <= self.config.trainer.sft_warmup_steps:
             return torch.zeros_like(batch["old_logprobs"]), {}  # demonstrations: no critic
-        if self.critic is not None and step == sft_steps + 1 and sft_steps > 0:
-            self._start_critic_from_actor()
         rewards, extra = self._rewards(batch, local)
         if self.critic is None:
             advantages = advantages_from_config(
@@ -483,6 +483,11 @@ class TrainEngine:
         if _with_optimizer(self.optimizer, saved):
             state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         if self.critic is not None:
+            if saved is not None and CRITIC_STATE_KEY not in saved:
+                raise EngineStateError(
+                    f"{loading_from} holds no critic: it was saved by a run without one, and "
+                    "this engine trains PPO's critic"
+                )
             state[CRITIC_STATE_KEY] = self.critic.sharded_state_dict(
                 is_loading=is_loading,
                 with_optimizer=_with_optimizer(
