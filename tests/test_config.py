@@ -277,7 +277,8 @@ def test_demo_example_spells_out_the_embedded_defaults() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["grpo_jsonl.yaml", "grpo_math.yaml", "sft_only.yaml", "trinity_gsm8k_rloo.yaml"]
+    "name",
+    ["grpo_jsonl.yaml", "grpo_math.yaml", "sft_only.yaml", "trinity_gsm8k_rloo.yaml", "ppo.yaml"],
 )
 def test_examples_load(name: str) -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / name)
