@@ -16,11 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
@@ -28,7 +23,7 @@ from torch import Tensor
 from trinity_dagster.algorithms.value import value_loss
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
-from trinity_dagster.engine.optim import build_optimizer, build_scheduler
+from trinity_dagster.engine.optim import prepare_training
 from trinity_dagster.engine.packing import Packing, split_micro_batches
 from trinity_dagster.engine.parallel import ParallelInfo
 from trinity_dagster.engine.value_model import (
@@ -78,20 +73,8 @@ class Critic:
         )
         if load_weights:
             hf_weights.load_hf_into_model(self.gpt, source_dir)
-        self.model = DistributedDataParallel(
-            config=self.gpt.config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                use_distributed_optimizer=config.megatron.use_distributed_optimizer,
-            ),
-            module=self.gpt,
-        )
-        self.gpt.config.no_sync_func = self.model.no_sync
-        self.gpt.config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = build_optimizer([self.model], config.critic.optim, config.megatron)
-        self.gpt.config.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = build_scheduler(
-            self.optimizer, config.critic.optim, config.trainer.total_steps
+        self.model, self.optimizer, self.scheduler = prepare_training(
+            self.gpt, config.critic.optim, config.megatron, config.trainer.total_steps
         )
 
     @torch.no_grad()

@@ -20,11 +20,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
@@ -48,7 +43,7 @@ from trinity_dagster.engine.batch_check import BatchError, check_batch
 from trinity_dagster.engine.critic import STATE_KEY as CRITIC_STATE_KEY
 from trinity_dagster.engine.critic import Critic
 from trinity_dagster.engine.model import build_gpt_model, local_logits, packed_local_logits
-from trinity_dagster.engine.optim import build_optimizer, build_scheduler, has_stepped
+from trinity_dagster.engine.optim import has_stepped, prepare_training
 from trinity_dagster.engine.packing import Packing, split_micro_batches
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
@@ -106,20 +101,8 @@ class TrainEngine:
         self._gpt: GPTModel = build_gpt_model(self.hf_config, config.megatron, params_dtype=dtype)
         if load_weights:
             hf_weights.load_hf_into_model(self._gpt, self.hf_dir)
-        self.model = DistributedDataParallel(
-            config=self._gpt.config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                use_distributed_optimizer=config.megatron.use_distributed_optimizer,
-            ),
-            module=self._gpt,
-        )
-        self._gpt.config.no_sync_func = self.model.no_sync
-        self._gpt.config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = build_optimizer([self.model], config.trainer.optim, config.megatron)
-        self._gpt.config.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = build_scheduler(
-            self.optimizer, config.trainer.optim, config.trainer.total_steps
+        self.model, self.optimizer, self.scheduler = prepare_training(
+            self._gpt, config.trainer.optim, config.megatron, config.trainer.total_steps
         )
         self.reference: GPTModel | None = None
         if config.algorithm.uses_reference_model:

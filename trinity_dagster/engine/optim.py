@@ -1,10 +1,17 @@
-"""The actor's Megatron optimizer and learning-rate scheduler, built from the typed config."""
+"""A model's training parts: Megatron DDP wrapper, optimizer and learning-rate scheduler,
+built from the typed config (the actor's `trainer.optim`, the critic's `critic.optim`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
@@ -92,3 +99,23 @@ def has_stepped(optimizer: MegatronOptimizer) -> bool:
     during SFT steps) has an optimizer with nothing to save or restore.
     """
     return any(inner.state for inner in torch_optimizers(optimizer))
+
+
+def prepare_training(
+    gpt: GPTModel, optim: OptimConfig, megatron: MegatronConfig, total_steps: int | None
+) -> tuple[DistributedDataParallel, MegatronOptimizer, OptimizerParamScheduler]:
+    """`gpt` wrapped in Megatron's DDP (grads reduced in fp32), its optimizer and LR schedule,
+    wired into its config as Megatron's schedules expect."""
+    model = DistributedDataParallel(
+        config=gpt.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=megatron.use_distributed_optimizer,
+        ),
+        module=gpt,
+    )
+    gpt.config.no_sync_func = model.no_sync
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    optimizer = build_optimizer([model], optim, megatron)
+    gpt.config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, build_scheduler(optimizer, optim, total_steps)
