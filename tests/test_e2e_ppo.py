@@ -51,8 +51,8 @@ def test_the_ppo_example_trains_through_the_daemon(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     printed = done.stdout + done.stderr
-    assert f"[{SFT_STEPS + 1}/{STEPS}] train    critic warm-up, vf_loss " in printed, printed
-    assert f"[{STEPS}/{STEPS}] train    pg_loss " in printed and ", vf_loss " in printed
+    assert f"[{SFT_STEPS + 1:>3}/{STEPS}] train    critic warm-up, vf_loss " in printed, printed
+    assert f"[{STEPS:>3}/{STEPS}] train    pg_loss " in printed and ", vf_loss " in printed
     paths = RunPaths.of(load_config(config_file).run_root)
     assert json.loads((paths.root / "summary.json").read_text())["steps"] == STEPS
 

@@ -9,6 +9,7 @@ test_engine_train.py.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.test_engine_train import (
     hf_logprobs_and_entropy,
     load_hf,
     metrics,
+    run_engines,
     run_worker,
     weights,
 )
@@ -111,13 +113,19 @@ def reference_ppo_step(hf_dir: Path, critic_dir: Path, batch: dict[str, torch.Te
     return figures, state, critic_state
 
 
+def error_of(out: Path) -> str:
+    """The error an `expect_error` run of `run_engines` stopped with."""
+    return json.loads((out / "error.json").read_text())["error"]
+
+
 def test_ppo_step_matches_a_hand_written_reference(hf_dir: Path, tmp_path: Path):
+    """Rows that carry advantages are refused first (the critic estimates them) and change
+    nothing; then one PPO step matches the reference in metrics and both models' weights."""
     critic0 = tmp_path / "critic0"
-    out = run_worker(
-        tmp_path,
-        "ppo",
-        {"hf_dir": str(hf_dir), "steps": [11], "overrides": PPO, "export_critic": str(critic0)},
-    )
+    spec = {"steps": [11], "overrides": PPO, "export_critic": str(critic0)}
+    out = run_worker(tmp_path, "ppo", {"hf_dir": str(hf_dir), "with_advantages": True, **spec})
+    (refusal,) = json.loads((out / "refusals.json").read_text())["errors"].values()
+    assert "'advantages'" in refusal and "critic" in refusal
     (got,) = metrics(out)
     assert got.keys() >= CRITIC_METRICS
     assert got["critic/warmup"] == 0.0 and got["critic/lr"] == pytest.approx(1e-3)
@@ -131,36 +139,54 @@ def test_ppo_step_matches_a_hand_written_reference(hf_dir: Path, tmp_path: Path)
     assert config["id2label"] == {"0": "LABEL_0"}
 
 
-def test_warmup_trains_only_the_critic_and_resumes_exactly_in_its_middle(
+def test_sft_then_warmup_train_only_the_critic_and_resume_exactly_in_its_middle(
     hf_dir: Path, tmp_path: Path
 ):
-    overrides = {**PPO, "critic.warmup_steps": 2, "critic.optim.lr_scheduler": "cosine"}
+    """Step 1 is SFT (the critic idle), steps 2-3 the critic's warm-up (the actor still), 4-5
+    PPO. At step 2 the critic takes the SFT actor's backbone. A state saved after step 2
+    resumes steps 3-5 bit-identically, actor and critic."""
+    overrides = {
+        **PPO,
+        "trainer.sft_warmup_steps": 1,
+        "critic.warmup_steps": 2,
+        "critic.optim.lr_scheduler": "cosine",
+    }
     state = tmp_path / "state"
     spec = {"hf_dir": str(hf_dir), "overrides": overrides}
-    first = run_worker(
+    outs = run_engines(
         tmp_path,
-        "first",
-        {**spec, "steps": [1, 2, 3, 4], "save_after": 1, "save_dir": str(state)},
+        "warmup",
+        {
+            "first": {**spec, "steps": [1, 2, 3, 4, 5], "save_after": 2, "save_dir": str(state)},
+            "resumed": {**spec, "steps": [3, 4, 5], "load_from": str(state)},
+        },
     )
+    first, resumed = outs["first"], outs["resumed"]
     runs = metrics(first)
-    assert [m["critic/warmup"] for m in runs] == [1.0, 1.0, 0.0, 0.0]
-    assert "actor/pg_loss" not in runs[0] and "actor/pg_loss" in runs[2]
-    w = {step: weights(first, step) for step in (1, 2, 3)}
-    assert all(torch.equal(w[1][k], w[2][k]) for k in w[1]), "a warm-up step moved the actor"
-    assert any(not torch.equal(w[2][k], w[3][k]) for k in w[2])
-    c1, c2 = critic_weights(first, 1), critic_weights(first, 2)
-    assert any(not torch.equal(c1[k], c2[k]) for k in c1), "a warm-up step left the critic"
-    assert runs[1]["critic/lr"] < runs[0]["critic/lr"]  # the critic's own cosine schedule
+    assert runs[0]["actor/sft"] == 1.0 and "critic/vf_loss" not in runs[0]
+    assert [m["critic/warmup"] for m in runs] == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert "actor/pg_loss" not in runs[1] and "actor/pg_loss" in runs[3]
+    w = {step: weights(first, step) for step in (1, 2, 3, 4)}
+    assert all(torch.equal(w[1][k], w[3][k]) for k in w[1]), "a warm-up step moved the actor"
+    assert any(not torch.equal(w[3][k], w[4][k]) for k in w[3])
+    c2, c3 = critic_weights(first, 2), critic_weights(first, 3)
+    assert any(not torch.equal(c2[k], c3[k]) for k in c2), "a warm-up step left the critic"
+    assert runs[2]["critic/lr"] < runs[1]["critic/lr"]  # the critic's own cosine schedule
+    # the critic began step 2 as the SFT actor's backbone; its one update moved each weight
+    # by at most about its lr (Adam), far less than SFT moved the actor from the start
+    backbone = {k: v for k, v in c2.items() if not k.startswith("score.")}
+    assert_weights_close(backbone, {k: w[1][k] for k in backbone}, atol=1.5e-3)
+    initial = load_hf(hf_dir).state_dict()
+    assert max((w[1][k] - initial[k]).abs().max().item() for k in backbone) > 5e-3
 
-    resumed = run_worker(tmp_path, "resumed", {**spec, "steps": [2, 3, 4], "load_from": str(state)})
-    for step in (2, 3, 4):
+    for step in (3, 4, 5):
         pairs = [
             (weights(resumed, step), weights(first, step)),
             (critic_weights(resumed, step), critic_weights(first, step)),
         ]
         for got, want in pairs:
             assert all(torch.equal(got[k], want[k]) for k in want), f"step {step}"
-    for got_m, want_m in zip(metrics(resumed), runs[1:], strict=True):
+    for got_m, want_m in zip(metrics(resumed), runs[2:], strict=True):
         timing = ("time/train_step", "perf/throughput")
         assert {k: v for k, v in got_m.items() if k not in timing} == {
             k: v for k, v in want_m.items() if k not in timing
@@ -168,57 +194,58 @@ def test_warmup_trains_only_the_critic_and_resumes_exactly_in_its_middle(
 
     exported = export_checkpoint(state, tmp_path / "critic_hf", critic=True)
     model = load_critic(exported)
-    assert_weights_close({k: v.float() for k, v in model.state_dict().items()}, c1, atol=0.0)
+    assert_weights_close({k: v.float() for k, v in model.state_dict().items()}, c2, atol=0.0)
 
 
-def test_critic_model_path_starts_the_critic(hf_dir: Path, tmp_path: Path):
-    """A token-classification directory gives the critic its backbone and head; a causal LM
-    its backbone and a fresh head; a wrong head shape or vocabulary is refused by name."""
+def test_where_the_critic_starts_and_what_is_refused(hf_dir: Path, tmp_path: Path):
+    """A token-classification directory gives the critic its backbone and head; a wrong head
+    shape, a vocabulary other than the actor's, and a state saved without a critic are
+    refused by name."""
     from transformers import LlamaConfig, LlamaForTokenClassification
 
     torch.manual_seed(5)
-    source = LlamaConfig.from_pretrained(hf_dir, num_labels=1)
-    scorer = LlamaForTokenClassification(source)
+    scorer = LlamaForTokenClassification(LlamaConfig.from_pretrained(hf_dir, num_labels=1))
     scorer.save_pretrained(tmp_path / "scorer")
-    out = run_worker(
+    two_labels = LlamaForTokenClassification(LlamaConfig.from_pretrained(hf_dir, num_labels=2))
+    two_labels.save_pretrained(tmp_path / "two_labels")
+    other_vocab = make_hf_dir(tmp_path / "other_vocab", vocab=VOCAB + 1)
+    grpo_state = tmp_path / "grpo_state"
+    spec: dict[str, Any] = {"hf_dir": str(hf_dir), "steps": []}
+
+    def critic_from(path: Path) -> dict[str, Any]:
+        return {**spec, "overrides": {**PPO, "critic.model_path": str(path)}}
+
+    outs = run_engines(
         tmp_path,
-        "scorer",
+        "starts",
         {
-            "hf_dir": str(hf_dir),
-            "steps": [],
-            "overrides": {**PPO, "critic.model_path": str(tmp_path / "scorer")},
-            "export_critic": str(tmp_path / "scorer_again"),
+            "scorer": {**critic_from(tmp_path / "scorer"), "export_critic": str(tmp_path / "x")},
+            "two_labels": {**critic_from(tmp_path / "two_labels"), "expect_error": True},
+            "vocab": {**critic_from(other_vocab), "expect_error": True},
+            "grpo": {**spec, "steps": [1], "save_after": 1, "save_dir": str(grpo_state)},
+            "no_critic": {
+                **spec,
+                "overrides": PPO,
+                "load_from": str(grpo_state),
+                "expect_error": True,
+            },
         },
     )
-    again = load_critic(out.parent / "scorer_again").state_dict()
+    again = load_critic(tmp_path / "x").state_dict()
     assert all(torch.equal(again[k], v) for k, v in scorer.state_dict().items())
-
-    LlamaForTokenClassification(LlamaConfig.from_pretrained(hf_dir, num_labels=2)).save_pretrained(
-        tmp_path / "two_labels"
+    assert re.search(
+        r"score.weight in .*two_labels.*\(2, 32\), model expects \(1, 32\)",
+        error_of(outs["two_labels"]),
     )
-    spec = {"hf_dir": str(hf_dir), "steps": []}
-    wrong_head = r"score.weight in .*two_labels.*\(2, 32\), model expects \(1, 32\)"
-    with pytest.raises(AssertionError, match=wrong_head):
-        run_worker(
-            tmp_path,
-            "two",
-            {**spec, "overrides": {**PPO, "critic.model_path": str(tmp_path / "two_labels")}},
-        )
-    other_vocab = make_hf_dir(tmp_path / "other_vocab", vocab=VOCAB + 1)
-    with pytest.raises(AssertionError, match=r"vocab_size 100 differs from the actor's 99"):
-        run_worker(
-            tmp_path, "vocab", {**spec, "overrides": {**PPO, "critic.model_path": str(other_vocab)}}
-        )
+    assert "vocab_size 100 differs from the actor's 99" in error_of(outs["vocab"])
+    assert "grpo_state holds no critic" in error_of(outs["no_critic"])
 
 
-def test_rows_with_advantages_are_refused_under_ppo(hf_dir: Path, tmp_path: Path):
-    out = run_worker(
-        tmp_path,
-        "refused",
-        {"hf_dir": str(hf_dir), "steps": [11], "overrides": PPO, "with_advantages": True},
-    )
-    (error,) = json.loads((out / "refusals.json").read_text())["errors"].values()
-    assert "'advantages'" in error and "critic" in error
+@pytest.fixture(scope="module")
+def one_rank(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two PPO steps on one rank, the reference of the parallel layouts."""
+    spec = {"hf_dir": str(hf_dir), "steps": [8, 9], "overrides": PPO}
+    return run_worker(tmp_path_factory.mktemp("one_rank"), "single", spec)
 
 
 @pytest.mark.slow
@@ -231,10 +258,10 @@ def test_rows_with_advantages_are_refused_under_ppo(hf_dir: Path, tmp_path: Path
     ids=["tp-packed", "dp"],
 )
 def test_ppo_under_tensor_and_data_parallel_matches_one_rank(
-    hf_dir: Path, tmp_path: Path, layout: dict[str, Any]
+    hf_dir: Path, tmp_path: Path, layout: dict[str, Any], one_rank: Path
 ):
     spec = {"hf_dir": str(hf_dir), "steps": [8, 9], "overrides": PPO}
-    single = run_worker(tmp_path, "single", spec)
+    single = one_rank
     parallel = run_worker(tmp_path, "parallel", {**spec, "overrides": {**PPO, **layout}}, nproc=2)
     for m_one, m_two in zip(metrics(single), metrics(parallel), strict=True):
         for name in ("critic/vf_loss", "critic/values/mean", "critic/grad_norm", "actor/pg_loss"):
@@ -242,32 +269,3 @@ def test_ppo_under_tensor_and_data_parallel_matches_one_rank(
     for step in (1, 2):
         assert_weights_close(weights(single, step), weights(parallel, step), atol=1e-4)
         assert_weights_close(critic_weights(single, step), critic_weights(parallel, step), 1e-4)
-
-
-def test_after_sft_steps_the_critic_starts_from_the_sft_actor(hf_dir: Path, tmp_path: Path):
-    """SFT steps leave the critic alone; the first RL step gives it the actor's backbone as it
-    is then (the critic's lr is tiny here, so its update hardly moves it)."""
-    overrides = {**PPO, "trainer.sft_warmup_steps": 1, "critic.optim.lr": 1e-12}
-    out = run_worker(
-        tmp_path, "sft", {"hf_dir": str(hf_dir), "steps": [1, 2], "overrides": overrides}
-    )
-    sft_step, rl_step = metrics(out)
-    assert sft_step["actor/sft"] == 1.0 and "critic/vf_loss" not in sft_step
-    assert "critic/vf_loss" in rl_step
-    actor_after_sft, critic_after_rl = weights(out, 1), critic_weights(out, 2)
-    backbone = {k: v for k, v in critic_after_rl.items() if not k.startswith("score.")}
-    assert_weights_close(backbone, {k: actor_after_sft[k] for k in backbone}, atol=1e-9)
-    initial = load_hf(hf_dir).state_dict()
-    assert not torch.equal(actor_after_sft["model.norm.weight"], initial["model.norm.weight"])
-
-
-def test_a_state_saved_without_a_critic_is_refused_by_name(hf_dir: Path, tmp_path: Path):
-    state = tmp_path / "grpo_state"
-    spec = {"hf_dir": str(hf_dir), "steps": [1], "save_after": 1, "save_dir": str(state)}
-    run_worker(tmp_path, "grpo", spec)
-    with pytest.raises(AssertionError, match=r"grpo_state holds no critic"):
-        run_worker(
-            tmp_path,
-            "ppo",
-            {"hf_dir": str(hf_dir), "steps": [], "overrides": PPO, "load_from": str(state)},
-        )

@@ -77,6 +77,15 @@ def run_worker(tmp: Path, name: str, spec: dict[str, Any], nproc: int = 1) -> Pa
     return out
 
 
+def run_engines(tmp: Path, name: str, runs: dict[str, dict[str, Any]]) -> dict[str, Path]:
+    """Run the named engine scenarios one after the other in one worker process (which saves
+    the imports of a process per engine); each one's out dir by name."""
+    outs = {run: tmp / name / run for run in runs}
+    specs = [{**spec, "out": str(outs[run])} for run, spec in runs.items()]
+    run_worker(tmp, name, {"runs": specs})
+    return outs
+
+
 def weights(out: Path, step: int) -> dict[str, torch.Tensor]:
     return torch.load(out / f"weights_{step}.pt")
 
@@ -184,9 +193,16 @@ def test_same_seed_same_batches_give_bit_identical_weights(hf_dir: Path, tmp_pat
 
 def test_micro_batching_does_not_change_loss_or_weights(hf_dir: Path, tmp_path: Path):
     spec = {"hf_dir": str(hf_dir), "steps": [3, 4]}
-    small = run_worker(tmp_path, "mb2", {**spec, "overrides": {"trainer.micro_batch_size": 2}})
-    # a micro-batch size above the batch's 8 rows: the whole batch is one micro-batch
-    whole = run_worker(tmp_path, "mb64", {**spec, "overrides": {"trainer.micro_batch_size": 64}})
+    outs = run_engines(
+        tmp_path,
+        "micro",
+        {
+            "mb2": {**spec, "overrides": {"trainer.micro_batch_size": 2}},
+            # a micro-batch size above the batch's 8 rows: the whole batch is one micro-batch
+            "mb64": {**spec, "overrides": {"trainer.micro_batch_size": 64}},
+        },
+    )
+    small, whole = outs["mb2"], outs["mb64"]
     for m_small, m_whole in zip(metrics(small), metrics(whole), strict=True):
         for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm"):
             assert m_small[key] == pytest.approx(m_whole[key], abs=1e-5), key
@@ -249,10 +265,15 @@ def test_sequence_packing_trains_as_the_padded_rows(
     """Packed micro-batches (no padding) give the padded layout's metrics and weights."""
     spec = {"hf_dir": str(hf_dir), "steps": [31, 32]}
     assert not make_batch(31)["attention_mask"].all(), "the batch must hold padding"
-    padded = run_worker(tmp_path, "padded", {**spec, "overrides": overrides})
-    packed = run_worker(
-        tmp_path, "packed", {**spec, "overrides": {**overrides, "trainer.sequence_packing": True}}
+    outs = run_engines(
+        tmp_path,
+        "packing",
+        {
+            "padded": {**spec, "overrides": overrides},
+            "packed": {**spec, "overrides": {**overrides, "trainer.sequence_packing": True}},
+        },
     )
+    padded, packed = outs["padded"], outs["packed"]
     names = ("actor/loss", "actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/kl_loss")
     for m_padded, m_packed in zip(metrics(padded), metrics(packed), strict=True):
         for name in (*names, "actor/grad_norm", "actor/pg_clipfrac"):
@@ -276,25 +297,24 @@ def test_save_and_load_state_resume_exactly(hf_dir: Path, tmp_path: Path, backgr
         "trainer.total_steps": 5,
     }
     state = tmp_path / "state"
-    first = run_worker(
+    spec = {"hf_dir": str(hf_dir), "overrides": overrides}
+    outs = run_engines(
         tmp_path,
-        "first",
+        "resume",
         {
-            "hf_dir": str(hf_dir),
-            "steps": [5, 6, 7],
-            "overrides": overrides,
-            "save_after": 2,
-            "save_dir": str(state),
-            "background": background,
+            "first": {
+                **spec,
+                "steps": [5, 6, 7],
+                "save_after": 2,
+                "save_dir": str(state),
+                "background": background,
+            },
+            "resumed": {**spec, "steps": [7], "load_from": str(state)},
         },
     )
+    first, resumed = outs["first"], outs["resumed"]
     assert json.loads((first / "save.json").read_text())["done"]
     assert read_engine_state(state)["step"] == 2
-    resumed = run_worker(
-        tmp_path,
-        "resumed",
-        {"hf_dir": str(hf_dir), "steps": [7], "overrides": overrides, "load_from": str(state)},
-    )
     w_first, w_resumed = weights(first, 3), weights(resumed, 3)
     assert all(torch.equal(w_first[k], w_resumed[k]) for k in w_first)
     assert metrics(resumed)[0]["actor/lr"] == metrics(first)[2]["actor/lr"]
@@ -302,6 +322,13 @@ def test_save_and_load_state_resume_exactly(hf_dir: Path, tmp_path: Path, backgr
 
 
 # ---------------------------------------------------------------- torchrun, 2 ranks
+
+
+@pytest.fixture(scope="module")
+def one_rank(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two GRPO steps on one rank, the reference of the parallel layouts."""
+    spec = {"hf_dir": str(hf_dir), "steps": [8, 9]}
+    return run_worker(tmp_path_factory.mktemp("one_rank"), "single", spec)
 
 
 @pytest.mark.slow
@@ -315,10 +342,10 @@ def test_save_and_load_state_resume_exactly(hf_dir: Path, tmp_path: Path, backgr
     ids=["tp", "dp", "tp-packed"],
 )
 def test_tensor_and_data_parallel_match_one_rank(
-    hf_dir: Path, tmp_path: Path, layout: dict[str, Any]
+    hf_dir: Path, tmp_path: Path, layout: dict[str, Any], one_rank: Path
 ):
     spec = {"hf_dir": str(hf_dir), "steps": [8, 9]}
-    single = run_worker(tmp_path, "single", spec)
+    single = one_rank
     parallel = run_worker(tmp_path, "parallel", {**spec, "overrides": layout}, nproc=2)
     for m_one, m_two in zip(metrics(single), metrics(parallel), strict=True):
         for name in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/grad_norm"):

@@ -1,11 +1,12 @@
 """Runs a TrainEngine scenario from a JSON spec (plain, or under torchrun); writes results.
 
-Usage: train_worker.py SPEC.json. Spec keys: `hf_dir`, `out`, `overrides` (dotted config
-keys), `steps` (batch seeds, one per step), and optionally `load_from` (a state dir to
-resume from), `save_after` (step after which to save the state into `save_dir`),
-`background` (save in the background), `bad_batches` (try refused inputs first),
-`export_critic` (a directory to export the critic to before the first step),
-`with_advantages` (try the first batch with an `advantages` column first).
+Usage: train_worker.py SPEC.json. A spec, or `runs`: a list of specs run one after the other.
+Spec keys: `hf_dir`, `out`, `overrides` (dotted config keys), `steps` (batch seeds, one per
+step), and optionally `load_from` (a state dir to resume from), `save_after` (step after
+which to save the state into `save_dir`), `background` (save in the background),
+`bad_batches` (try refused inputs first), `export_critic` (a directory to export the critic
+to before the first step), `with_advantages` (try the first batch with an `advantages`
+column first), `expect_error` (in `runs`: the engine's error goes to `out/error.json`).
 Rank 0 writes `out/metrics.json`, `out/weights_N.pt` (HF-named tensors after step N), under
 PPO `out/critic_weights_N.pt` (the critic's), and with `bad_batches`, `out/refusals.json`.
 """
@@ -49,7 +50,20 @@ def bad_batches(good: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tens
 
 
 def main() -> None:
+    """Run the spec, or each spec of its `runs` in turn (one engine after the other in this
+    process, which saves the imports of a process per engine)."""
     spec = json.loads(Path(sys.argv[1]).read_text())
+    for run in spec.get("runs", [spec]):
+        try:
+            run_engine(run)
+        except Exception as err:
+            if not run.get("expect_error"):
+                raise
+            write_json(Path(run["out"]) / "error.json", {"error": str(err)})
+
+
+def run_engine(spec: dict) -> None:
+    """One engine's scenario."""
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     config = engine_config(out, **spec.get("overrides", {}))

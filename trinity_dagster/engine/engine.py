@@ -96,6 +96,18 @@ class TrainEngine:
         self.hf_config: dict[str, Any] = json.loads(config_file.read_text())
         torch.use_deterministic_algorithms(True, warn_only=True)
         self.parallel: ParallelInfo = init_distributed(config.megatron, config.trainer.seed)
+        try:
+            self._build_models(load_weights)
+        except BaseException:
+            destroy_distributed()  # a failed build leaves no process groups behind
+            raise
+        self._async_saves = SaveQueue()
+        self.step = 0
+
+    def _build_models(self, load_weights: bool) -> None:
+        """The actor with its DDP wrapper, optimizer and schedule, the reference model and
+        the critic when the algorithm has them."""
+        config = self.config
         np.random.seed(config.trainer.seed)
         dtype = config.megatron.params_dtype
         self._gpt: GPTModel = build_gpt_model(self.hf_config, config.megatron, params_dtype=dtype)
@@ -119,8 +131,6 @@ class TrainEngine:
                 vocab_size=self.hf_config["vocab_size"],
                 load_weights=load_weights,
             )
-        self._async_saves = SaveQueue()
-        self.step = 0
 
     # -- training -------------------------------------------------------------------------
 
