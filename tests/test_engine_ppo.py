@@ -2,8 +2,8 @@
 (values, GAE, the value loss, both updates), the critic's warm-up, exact resume in the middle
 of it, where the critic starts from, its HF export, and TP/DP/packing equivalence.
 
-Engines run in fresh subprocesses (`tests/engine_workers/train_worker.py`), as in
-test_engine_train.py.
+Engines run in worker subprocesses (`tests/engine_workers/train_worker.py`), several to a
+worker where a test needs more than one, as in test_engine_train.py.
 """
 
 from __future__ import annotations

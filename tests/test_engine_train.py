@@ -1,8 +1,10 @@
 """TrainEngine: one Megatron train step against a transformers + torch reference, refusals,
 determinism, micro-batching, TP/DP equivalence, and exact resume from a saved state.
 
-Each engine runs in a fresh subprocess (`tests/engine_workers/train_worker.py`), because
-Megatron's parallel state is global to a process.
+Engines run in worker subprocesses (`tests/engine_workers/train_worker.py`), not in the test
+process, because Megatron's parallel state is global to a process. A worker may run several
+engines one after the other (`run_engines`): each closes its process groups, and the second
+trains bit-identically to a fresh process; the same-seed test still compares two processes.
 """
 
 from __future__ import annotations

@@ -356,6 +356,10 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
         def poll(self) -> None:  # without the stop, training ends normally
             write_trainer_state(paths, "finished", 4, "trained all 4 steps")
 
+    # Python reports a dropped raise ("Exception ignored in ...", on stderr) through
+    # sys.unraisablehook; the command's one line must not come after such a traceback
+    reported: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
     with stop_signals_raise():
         thing = Collected()
         weakref.finalize(thing, daemon_control._raise_stopped, signal.SIGTERM, None)
@@ -363,6 +367,7 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
         with pytest.raises(StoppedBySignal) as stopped:
             training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]
     assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert reported == []
 
 
 def test_a_stop_signal_a_library_wrapped_still_stops_the_command(

@@ -75,13 +75,24 @@ def raise_if_stopped() -> None:
 
 @contextlib.contextmanager
 def stop_signals_raise() -> Iterator[None]:
-    """Within: the first SIGINT or SIGTERM raises `StoppedBySignal`, later ones are ignored;
+    """Within: the first SIGINT or SIGTERM raises `StoppedBySignal`, later ones are ignored,
+    and a raise Python drops (in a garbage-collector callback) is not reported on stderr;
     the handlers from before come back at the end."""
     _received.clear()
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    previous_hook = sys.unraisablehook
+
+    def quiet_lost_stop(unraisable: Any) -> None:
+        # a raise lost in a garbage-collector callback: recorded, the watch loop raises it,
+        # so Python's "Exception ignored in ..." report would only break the one-line output
+        if not isinstance(unraisable.exc_value, StoppedBySignal):
+            previous_hook(unraisable)
+
+    sys.unraisablehook = quiet_lost_stop
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _received.clear()
