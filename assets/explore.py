@@ -54,7 +54,7 @@ def rollouts(
     context: dg.AssetExecutionContext, run_config: RunConfigResource
 ) -> Iterator[dg.Output]:
     """The built-in explorer loop over the run's explore steps, one model kept loaded."""
-    from trinity_dagster.explorer.loop import ExplorerLoop, use_explorer_threads
+    from trinity_dagster.explorer.loop import ExplorerLoop, explorer_threads_here
 
     partitions = StepPartitions(context.instance)
 
@@ -65,7 +65,7 @@ def rollouts(
     done = {
         step_of(key) for key in context.instance.get_materialized_partitions(dg.AssetKey(ROLLOUTS))
     }
-    threads = use_explorer_threads(run_config.config)
+    threads = explorer_threads_here(run_config.config)
     context.log.info(f"explorer: {threads} torch thread(s) (explorer.torch_threads)")
     loop = ExplorerLoop(run_config.config, on_step=log_step)
     reason = loop.run(run_steps(context)[0], run_last_step(context), done)

@@ -21,6 +21,7 @@ from trinity_dagster.buffer import (
     table_stats,
     unconsumed_count,
 )
+from trinity_dagster.buffer.sampler import BatchPinner
 from trinity_dagster.buffer.state import SamplerStateError
 from trinity_dagster.paths import RunPaths
 
@@ -43,6 +44,29 @@ def test_fifo_rows_oldest_first_and_never_twice(tmp_path):
     writer.write(make_rows("c", 1))
     assert _pin(config, 3).eids == ["b-2", "b-3", "c-0"]
     assert load_step_batch(config, 2).column("eid").to_pylist() == ["a-3", "b-0", "b-1"]
+
+
+def test_a_pinner_kept_open_pins_what_fresh_pins_would_and_sees_other_pinners(tmp_path):
+    """The trainer's pinner keeps its last state in memory; a pin by someone else (here a
+    fresh `pin_batch`, as a second trainer would) between two of its pins is read, not
+    overwritten: the batches are those of fresh pins throughout."""
+    kept, fresh = (buffer_config(tmp_path / name, train_batch_size=3) for name in ("k", "f"))
+    for config in (kept, fresh):
+        ExperienceWriter(config).write(make_rows("a", 7))
+    pinner = BatchPinner(kept)
+    assert pinner.pin(1).eids == _pin(fresh, 1).eids == ["a-0", "a-1", "a-2"]
+    assert _pin(kept, 2).eids == _pin(fresh, 2).eids == ["a-3", "a-4", "a-5"]  # not the pinner
+    assert pinner.pin(2).already_pinned
+    assert pinner.pin(3) == pin_batch(fresh, 3) == PinShortfall(have=1, need=3)
+    for config in (kept, fresh):
+        ExperienceWriter(config).write(make_rows("b", 2))
+    assert pinner.pin(3).eids == _pin(fresh, 3).eids == ["a-6", "b-0", "b-1"]
+    for config in (kept, fresh):
+        ExperienceWriter(config).write(make_rows("c", 4))
+    assert pinner.pin(4).eids == _pin(fresh, 4).eids == ["c-0", "c-1", "c-2"]  # from memory
+    for step in (1, 2, 3, 4):
+        assert load_step_batch(kept, step).equals(load_step_batch(fresh, step))
+        assert sampler_state(kept, step) == sampler_state(fresh, step)
 
 
 def test_groups_are_pinned_whole_in_completion_order(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,30 @@ def test_rows_are_accepted_by_the_writer_and_read_back(tmp_path: Path) -> None:
     pinned = pin_batch(cfg, 1)
     assert isinstance(pinned, PinResult)
     assert sorted(pinned.eids) == sorted(r["eid"] for r in explored + demos[:20])
+
+
+def test_the_loop_writes_the_sft_demonstrations_without_loading_torch(tmp_path: Path) -> None:
+    """Demonstrations need only the tokenizer, so the SFT warm-up's explore steps are written
+    (and training can start) before the explorer process has spent seconds importing torch."""
+    root = tmp_path / "run"
+    overrides = {"run_root": str(root), "trainer.sft_warmup_steps": 2, "trainer.total_steps": 4}
+    code = (
+        "import sys\n"
+        "from trinity_dagster.config import load_config\n"
+        "from trinity_dagster.explorer.loop import ExplorerLoop\n"
+        f"print(ExplorerLoop(load_config(None, {overrides!r})).run(1, 2))\n"
+        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "explored up to step 2, the end of the requested range",
+        "[]",
+    ]
+    stored = DeltaTable(str(RunPaths.of(root).experiences)).to_pyarrow_table()
+    config = load_config(None, overrides)
+    assert stored.num_rows == 2 * config.buffer.train_batch_size
+    assert stored.column("explorer_id").unique().to_pylist() == ["demonstrations"]
 
 
 def test_the_explorers_rows_go_to_the_writer_as_one_table_with_the_same_outcome(

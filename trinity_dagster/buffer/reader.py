@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
+from deltalake import DeltaTable
 
 from trinity_dagster.buffer.schema import EXPERIENCE_NAMES
 from trinity_dagster.buffer.tables import open_table
@@ -32,15 +33,32 @@ def _paths(paths_or_config: RunPaths | TrinityConfig | str | Path) -> RunPaths:
 
 def load_step_batch(paths_or_config: RunPaths | TrinityConfig | str | Path, step: int) -> pa.Table:
     """The experience rows pinned to train `step`, in pinned order (experience schema)."""
-    paths = _paths(paths_or_config)
-    batches = open_table(paths.batches)
-    if batches is None:
-        raise StepNotPinnedError(f"step {step} is not pinned: no batches table at {paths.batches}")
-    dataset = batches.to_pyarrow_dataset(file_pruning_predicate=f"step = {step}")
-    rows = dataset.to_table(filter=(ds.field("step") == step) & (ds.field("kind") == "train"))
-    if rows.num_rows == 0:
-        raise StepNotPinnedError(f"step {step} is not pinned in {paths.batches}")
-    return rows.sort_by("position").select(list(EXPERIENCE_NAMES))
+    return StepBatches(_paths(paths_or_config)).load(step)
+
+
+class StepBatches:
+    """Reads the pinned batches of one run, keeping the `batches` table open between reads
+    (each read brings it up to date incrementally instead of replaying its log)."""
+
+    def __init__(self, paths: RunPaths) -> None:
+        self.paths = paths
+        self._batches: DeltaTable | None = None
+
+    def load(self, step: int) -> pa.Table:
+        """What `load_step_batch` returns."""
+        if self._batches is None:
+            self._batches = open_table(self.paths.batches)
+        else:
+            self._batches.update_incremental()
+        if self._batches is None:
+            raise StepNotPinnedError(
+                f"step {step} is not pinned: no batches table at {self.paths.batches}"
+            )
+        dataset = self._batches.to_pyarrow_dataset(file_pruning_predicate=f"step = {step}")
+        rows = dataset.to_table(filter=(ds.field("step") == step) & (ds.field("kind") == "train"))
+        if rows.num_rows == 0:
+            raise StepNotPinnedError(f"step {step} is not pinned in {self.paths.batches}")
+        return rows.sort_by("position").select(list(EXPERIENCE_NAMES))
 
 
 def _aligned(

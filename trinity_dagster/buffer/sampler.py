@@ -188,88 +188,132 @@ def pin_batch(
     Returns `PinShortfall` when too few eligible rows are pending; with `force=True` that
     raises `NotEnoughDataError` instead.
     """
-    if step < 1:
-        raise ValueError(f"step must be >= 1, got {step}")
-    paths = RunPaths.of_config(config)
-    context = SampleContext(
-        config=config, current_version=step - 1 if current_version is None else current_version
-    )
-    result, stale = retry_commits(
-        lambda: _pin_once(paths, step, context),
-        config.buffer.writer_max_retries,
-        f"pin of step {step}",
-    )
-    append_quarantine(
-        paths.quarantine,
-        stale,
-        source="sampler",
-        step=step,
-        max_retries=config.buffer.writer_max_retries,
-    )
-    if isinstance(result, PinShortfall) and force:
-        raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
-    return result
+    return BatchPinner(config).pin(step, current_version=current_version, force=force)
 
 
-def _pin_once(
-    paths: RunPaths, step: int, context: SampleContext
-) -> tuple[PinResult | PinShortfall, list[QuarantineRecord]]:
-    """One try at pinning `step`: the pin (or the rows already pinned, or the shortfall), and
-    the stale rows the pin drops. A commit conflict raises for `retry_commits`."""
-    batches = open_or_create(paths.batches, BATCH_SCHEMA)
-    around = _step_rows(batches, [step - 1, step], ["step", "sampler_state"])
-    known = around.column("step").to_pylist()
-    if step in known:
-        return _existing(batches, step), []
-    if step > 1 and step - 1 not in known:
-        raise PinOrderError(
-            f"cannot pin step {step}: step {step - 1} is not pinned (steps are pinned in order)"
+class BatchPinner:
+    """Pins steps for one caller (the trainer loop), keeping both tables open between pins.
+
+    Each pin brings the open tables up to date incrementally instead of replaying their logs.
+    After a pin of its own it keeps the sampler state it committed: while `batches` has no
+    commit after that one, the next step's pin takes the state from memory instead of reading
+    `batches`. Any other commit (another pinner, maintenance) sends it back to reading.
+    """
+
+    def __init__(self, config: TrinityConfig) -> None:
+        self.config = config
+        self.paths = RunPaths.of_config(config)
+        self._batches: DeltaTable | None = None
+        self._experiences: DeltaTable | None = None
+        self._own: PinResult | None = None  # this pinner's last pin, at `batch_version`
+
+    def pin(
+        self, step: int, *, current_version: int | None = None, force: bool = False
+    ) -> PinResult | PinShortfall:
+        """What `pin_batch` does, with the tables kept open."""
+        if step < 1:
+            raise ValueError(f"step must be >= 1, got {step}")
+        config = self.config
+        context = SampleContext(
+            config=config, current_version=step - 1 if current_version is None else current_version
         )
-    state = (
-        SamplerState.from_json(around.column("sampler_state")[known.index(step - 1)].as_py())
-        if step > 1
-        else SamplerState()
-    )
-    experiences = open_table(paths.experiences)
-    if experiences is None:
-        return PinShortfall(have=0, need=context.config.buffer.train_batch_size), []
-    strategy = get_strategy(context.config.buffer.sample_strategy)
-    source_version = experiences.version()
-    scan = PendingScan(experiences, state.watermark, BASE_COLUMNS + list(strategy.columns))
-    selection, chunk = _select(scan, state, strategy, context)
-    if not selection.train or chunk is None:
-        need = context.config.buffer.train_batch_size
-        return PinShortfall(selection.eligible_rows, need, source_version), []
-    new_state = _advance(
-        state,
-        step,
-        source_version,
-        chunk.rows,
-        chunk.boundary,
-        selection,
-        context.config.buffer.reuse_limit,
-    )
-    dropped = [eid for eid, _ in selection.dropped]
-    rows = scan.read_rows(selection.train + dropped)
-    _append_pin(batches, step, rows, len(selection.train), source_version, strategy, new_state)
-    pinned = PinResult(
-        step=step,
-        eids=selection.train,
-        source_version=source_version,
-        strategy=strategy.name,
-        state=new_state,
-        dropped=dropped,
-        already_pinned=False,
-        rows=rows.slice(0, len(selection.train)).select(list(EXPERIENCE_NAMES)),
-        batch_version=batches.version(),
-    )
-    stale = [
-        QuarantineRecord(eid, "model_version", reason, row_to_json(row))
-        for (eid, reason), row in zip(
-            selection.dropped, rows.slice(len(selection.train)).to_pylist(), strict=True
+        result, stale = retry_commits(
+            lambda: self._pin_once(step, context),
+            config.buffer.writer_max_retries,
+            f"pin of step {step}",
         )
-    ]
-    return pinned, stale
+        append_quarantine(
+            self.paths.quarantine,
+            stale,
+            source="sampler",
+            step=step,
+            max_retries=config.buffer.writer_max_retries,
+        )
+        if isinstance(result, PinShortfall) and force:
+            raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
+        return result
+
+    def _open_batches(self) -> DeltaTable:
+        if self._batches is None:
+            self._batches = open_or_create(self.paths.batches, BATCH_SCHEMA)
+        else:
+            self._batches.update_incremental()
+        return self._batches
+
+    def _open_experiences(self) -> DeltaTable | None:
+        if self._experiences is None:
+            self._experiences = open_table(self.paths.experiences)
+        else:
+            self._experiences.update_incremental()
+        return self._experiences
+
+    def _state_before(self, batches: DeltaTable, step: int) -> SamplerState | PinResult:
+        """The sampler state after step `step - 1`, or the rows of `step` if already pinned."""
+        own = self._own
+        if own is not None and own.step == step - 1 and own.batch_version == batches.version():
+            return own.state  # nothing was committed after this pinner's pin of step - 1
+        around = _step_rows(batches, [step - 1, step], ["step", "sampler_state"])
+        known = around.column("step").to_pylist()
+        if step in known:
+            return _existing(batches, step)
+        if step > 1 and step - 1 not in known:
+            raise PinOrderError(
+                f"cannot pin step {step}: step {step - 1} is not pinned (steps are pinned in order)"
+            )
+        if step == 1:
+            return SamplerState()
+        return SamplerState.from_json(around.column("sampler_state")[known.index(step - 1)].as_py())
+
+    def _pin_once(
+        self, step: int, context: SampleContext
+    ) -> tuple[PinResult | PinShortfall, list[QuarantineRecord]]:
+        """One try at pinning `step`: the pin (or the rows already pinned, or the shortfall),
+        and the stale rows the pin drops. A commit conflict raises for `retry_commits`."""
+        batches = self._open_batches()
+        state = self._state_before(batches, step)
+        if isinstance(state, PinResult):
+            return state, []
+        experiences = self._open_experiences()
+        if experiences is None:
+            return PinShortfall(have=0, need=context.config.buffer.train_batch_size), []
+        strategy = get_strategy(context.config.buffer.sample_strategy)
+        source_version = experiences.version()
+        scan = PendingScan(experiences, state.watermark, BASE_COLUMNS + list(strategy.columns))
+        selection, chunk = _select(scan, state, strategy, context)
+        if not selection.train or chunk is None:
+            need = context.config.buffer.train_batch_size
+            return PinShortfall(selection.eligible_rows, need, source_version), []
+        new_state = _advance(
+            state,
+            step,
+            source_version,
+            chunk.rows,
+            chunk.boundary,
+            selection,
+            context.config.buffer.reuse_limit,
+        )
+        dropped = [eid for eid, _ in selection.dropped]
+        rows = scan.read_rows(selection.train + dropped)
+        _append_pin(batches, step, rows, len(selection.train), source_version, strategy, new_state)
+        pinned = PinResult(
+            step=step,
+            eids=selection.train,
+            source_version=source_version,
+            strategy=strategy.name,
+            state=new_state,
+            dropped=dropped,
+            already_pinned=False,
+            rows=rows.slice(0, len(selection.train)).select(list(EXPERIENCE_NAMES)),
+            batch_version=batches.version(),
+        )
+        self._own = pinned
+        stale = [
+            QuarantineRecord(eid, "model_version", reason, row_to_json(row))
+            for (eid, reason), row in zip(
+                selection.dropped, rows.slice(len(selection.train)).to_pylist(), strict=True
+            )
+        ]
+        return pinned, stale
 
 
 def _select(

@@ -81,6 +81,7 @@ class ExperienceWriter:
         self._known_versions = known_versions
         self._eids = EidIndex()
         self._seen_files: set[str] = set()
+        self._delta: DeltaTable | None = None  # kept open between writes
 
     def write(
         self, rows: Sequence[Mapping[str, Any]] | pa.Table, explore_step: int | None = None
@@ -104,7 +105,7 @@ class ExperienceWriter:
         outcome: dict[str, Any] = {}
 
         def attempt() -> None:
-            delta = open_or_create(self._paths.experiences, EXPERIENCE_SCHEMA)
+            delta = self._open()
             self._refresh_eids(delta)
             stored = _stored_among(delta, self._eids.candidates(_text_eids(table)))
             problems = semantic_checks(table, self._max_len, known, stored)
@@ -122,6 +123,8 @@ class ExperienceWriter:
                     commit_properties=CommitProperties(max_commit_retries=0, custom_metadata=info),
                 )
                 self._eids.add(valid.column("eid").to_pylist())
+                if delta.version() == version:  # the snapshot after the commit: ours is new
+                    self._seen_files.update(add_actions(delta).column("path").to_pylist())
             outcome.update(problems=problems, written=valid.num_rows, version=version)
 
         retry_commits(attempt, self._max_retries, f"experience write to {self._paths.experiences}")
@@ -153,6 +156,14 @@ class ExperienceWriter:
             eid = row["eid"] if isinstance(row.get("eid"), str) else None
             out.append(Rejection(kept[i], eid, bad_field, reason, row_to_json(row)))
         return out
+
+    def _open(self) -> DeltaTable:
+        """The experiences table at its latest version (created if absent)."""
+        if self._delta is None:
+            self._delta = open_or_create(self._paths.experiences, EXPERIENCE_SCHEMA)
+        else:
+            self._delta.update_incremental()
+        return self._delta
 
     def _refresh_eids(self, delta: DeltaTable) -> None:
         """Add the eids of data files not read before (compaction rewrites are harmless)."""

@@ -149,13 +149,6 @@ class Explorer:
             tasks.append(self.taskset.tasks[orders[epoch][position]])
         return tasks
 
-    def steps_available(self) -> int | None:
-        """Explore steps the task set allows under `buffer.total_epochs` (None: no end)."""
-        epochs = self.config.buffer.total_epochs
-        if epochs is None:
-            return None
-        return epochs * len(self.taskset) // self.config.explorer.tasks_per_step
-
     def explore(self, step: int, version: int | None = None) -> list[dict[str, Any]]:
         """Experience rows of step `step` from weights `version` (None: the latest published)."""
         version = resolve_version(self.paths, version)

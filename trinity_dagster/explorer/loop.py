@@ -28,14 +28,12 @@ import os
 import time
 from collections.abc import Callable, Collection
 from statistics import fmean
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import torch
 
 from trinity_dagster.buffer.validation import INPUT_SCHEMA
 from trinity_dagster.buffer.writer import ExperienceWriter
-from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.checkpoint.rules import (
     explore_steps_needed,
     explorer_waits_for_weights,
@@ -45,15 +43,17 @@ from trinity_dagster.checkpoint.rules import (
 from trinity_dagster.checkpoint.shm_weights import newest_weights_version
 from trinity_dagster.config import SyncStyle, TrinityConfig
 from trinity_dagster.explorer.demonstrations import demonstration_rows
-from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.handoff.control import paused_by
 from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
 from trinity_dagster.handoff.sync_requests import is_answered, request_sync
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.tasks import load_taskset
 from trinity_dagster.weight_sync.announce import announced_version
-from trinity_dagster.weight_sync.receiver import WeightSyncError
+
+if TYPE_CHECKING:
+    from trinity_dagster.explorer.explorer import Explorer
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,19 @@ def explorer_torch_threads(config: TrinityConfig, cores: int) -> int:
     return cores if alone else max(1, cores // 2)
 
 
-def use_explorer_threads(config: TrinityConfig) -> int:
-    """Set this process's torch threads to `explorer_torch_threads` of the cores it may use;
-    returns the number. The process that runs the explorer loop calls it once."""
-    threads = explorer_torch_threads(config, len(os.sched_getaffinity(0)))
-    torch.set_num_threads(threads)
-    return threads
+def explorer_threads_here(config: TrinityConfig) -> int:
+    """`explorer_torch_threads` for the cores this process may use (the loop sets them when
+    it loads torch)."""
+    return explorer_torch_threads(config, len(os.sched_getaffinity(0)))
+
+
+def steps_available(config: TrinityConfig) -> int | None:
+    """Explore steps the task set allows under `buffer.total_epochs` (None: no end)."""
+    epochs = config.buffer.total_epochs
+    if epochs is None:
+        return None
+    taskset = load_taskset(config.explorer.taskset, config.explorer.seed)
+    return epochs * len(taskset) // config.explorer.tasks_per_step
 
 
 class TrainerStoppedError(RuntimeError):
@@ -96,7 +103,12 @@ class TrainerStoppedError(RuntimeError):
 
 
 class ExplorerLoop:
-    """Explores steps in order with one loaded model; `run` returns why it stopped."""
+    """Explores steps in order with one loaded model; `run` returns why it stopped.
+
+    Torch, the initial model and the explorer's model are loaded at the first step that
+    generates: the SFT warm-up's demonstrations need only the tokenizer, so they are written
+    (and training starts) while a process that has not loaded them yet would still import.
+    """
 
     def __init__(
         self,
@@ -108,8 +120,7 @@ class ExplorerLoop:
         self.paths = RunPaths.of_config(config)
         self.explorer_id = explorer_id
         self.on_step = on_step
-        create_initial_model(config, self.paths)
-        self.explorer = Explorer(config, self.paths, explorer_id)
+        self._explorer: Explorer | None = None
         # one writer for the whole loop: it reads each data file's eids once, not every step
         self._writing_version = 0
         self._writer = ExperienceWriter(
@@ -119,11 +130,26 @@ class ExplorerLoop:
         self._held: int | None = None  # the weights version of the last explored step
         self._heartbeat = Heartbeat(self.paths, explorer_id)
 
+    @property
+    def explorer(self) -> Explorer:
+        """The explorer that generates; built (torch loaded, its threads set, the initial
+        model created if absent) on first use."""
+        if self._explorer is None:
+            import torch
+
+            from trinity_dagster.checkpoint.initial_weights import create_initial_model
+            from trinity_dagster.explorer.explorer import Explorer
+
+            torch.set_num_threads(explorer_threads_here(self.config))
+            create_initial_model(self.config, self.paths)
+            self._explorer = Explorer(self.config, self.paths, self.explorer_id)
+        return self._explorer
+
     def run(self, first: int, last: int | None, done: Collection[int] = ()) -> str:
         """Explore steps `first..last` (None: until the task set is used up or the trainer
         finished), skipping those in `done`; returns why it stopped."""
         needed = explore_steps_needed(self.config)
-        available = self.explorer.steps_available()
+        available = steps_available(self.config)
         steps = itertools.count(first) if last is None else range(first, last + 1)
         for step in steps:
             if step in done:
@@ -193,6 +219,8 @@ class ExplorerLoop:
         A collective transfer that fails (the engine service died mid-way, a damaged
         bucket) is tried again with the weights then available, up to `RECEIVE_TRIES` times.
         """
+        from trinity_dagster.weight_sync.receiver import WeightSyncError
+
         for attempt in range(1, RECEIVE_TRIES + 1):
             waited = self._wait_for_weights(step)
             if isinstance(waited, str):

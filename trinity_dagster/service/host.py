@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trinity_dagster import faults
-from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
+from trinity_dagster.buffer.reader import StepBatches, StepNotPinnedError, to_tensors
 from trinity_dagster.buffer.sampler import sampler_state
 from trinity_dagster.checkpoint.hf_dir import hf_dir_written
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
@@ -92,6 +92,7 @@ class EngineHost:
         self.started_at = time.time()
         self.progress_at = time.monotonic()
         self._training_step: int | None = None
+        self._batches = StepBatches(paths)
         initial = self._initial_weights()
         self.engine = TrainEngine(config, initial)
         self.rank = dist.get_rank()
@@ -360,7 +361,7 @@ class EngineHost:
         started_at = time.time()
         started = time.perf_counter()
         try:
-            table = load_step_batch(self.config, step)
+            table = self._batches.load(step)
         except StepNotPinnedError as err:
             raise BadRequestError(
                 f"{err}; materialize experience_batch for step {step} first"

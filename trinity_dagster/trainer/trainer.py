@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from trinity_dagster.buffer.sampler import PinResult, pin_batch
+from trinity_dagster.buffer.sampler import BatchPinner, PinResult
 from trinity_dagster.buffer.tables import has_commit_after
 from trinity_dagster.checkpoint import rules
 from trinity_dagster.checkpoint.layout import (
@@ -117,6 +117,7 @@ class Trainer:
         self.paths = RunPaths.of_config(config)
         self.engine = engine if engine is not None else get_trainer_wrapper(config)
         self.hook = hook or TrainerHook()
+        self._pinner = BatchPinner(config)
         self.total_steps = config.trainer.total_steps
         self.save_interval = config.trainer.save_interval
         self.save_hf_checkpoint = config.trainer.save_hf_checkpoint
@@ -274,20 +275,20 @@ class Trainer:
         requests.
         """
         step = self.train_step_num + 1
-        result = pin_batch(self.config, step)
+        result = self._pinner.pin(step)
         if isinstance(result, PinResult):
             return result
         shortfall, last_growth = result, time.monotonic()
         while True:
             if has_commit_after(self.paths.experiences, shortfall.source_version):
                 last_growth = time.monotonic()
-                result = pin_batch(self.config, step)
+                result = self._pinner.pin(step)
                 if isinstance(result, PinResult):
                     return result
                 shortfall = result
             ended = end_of_data(self.paths)
             if ended is not None:
-                result = pin_batch(self.config, step)  # data written just before the end
+                result = self._pinner.pin(step)  # data written just before the end
                 if isinstance(result, PinResult):
                     return result
                 raise StopAsyncIteration(f"{ended} ({result.message})")
