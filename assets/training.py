@@ -14,6 +14,7 @@ without them being logged, then goes on from the engine's step: nothing trains t
 """
 
 import asyncio
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from assets.event_thread import EventThread
 from assets.lineage import (
     INPUT_DATA_VERSION_TAG,
     batch_data_version,
@@ -94,7 +96,11 @@ def train_metadata(record: dict[str, Any], metrics: dict[str, Any], **flags: Any
 
 
 class DagsterTrainerHook(TrainerHook):
-    """Logs each step the loop finished: its batch, its training and checks, its sync."""
+    """Logs each step the loop finished: its batch, its training and checks, its sync.
+
+    The events are logged from a thread beside the loop (`EventThread`), in order; `flush`
+    waits for them, and the loop flushes before it records how training ended.
+    """
 
     def __init__(self, context: dg.AssetExecutionContext, run_config: RunConfigResource) -> None:
         self.context = context
@@ -105,13 +111,26 @@ class DagsterTrainerHook(TrainerHook):
         # the last batch reported: its step, data version and upstream metadata for the step
         self.upstream: tuple[int, str, dict[str, Any]] | None = None
         self.preview: tuple[int, list[dict[str, Any]]] | None = None  # the last one logged
+        self.events = EventThread("dagster-events")
 
     def log(
         self, asset: str, step: int, metadata: dict[str, Any], tags: dict[str, str] | None = None
     ) -> None:
         """Log the materialisation of step N's partition of `asset` (added if new)."""
-        self.partitions.ensure(step)
-        self.context.log_event(step_materialization(asset, step, metadata, tags))
+        event = step_materialization(asset, step, metadata, tags)
+
+        def log() -> None:
+            self.partitions.ensure(step)
+            self.context.log_event(event)
+
+        self.events.submit(log)
+
+    def flush(self) -> None:
+        self.events.flush()
+
+    def close(self) -> None:
+        """Log what is still queued and end the event thread."""
+        self.events.close()
 
     def on_batch(self, step: int, batch: PinResult) -> None:
         table = batch_table(self.run_config, step, batch)
@@ -163,15 +182,14 @@ class DagsterTrainerHook(TrainerHook):
             "kl_within_bound": kl_within_bound(metrics, kl_bound),
         }
         for name, (ok, reason) in results.items():
-            self.context.log_event(
-                dg.AssetCheckEvaluation(
-                    asset_key=dg.AssetKey(TRAIN),
-                    check_name=name,
-                    passed=ok,
-                    metadata={"reason": reason, "step": step},
-                    blocking=True,
-                )
+            evaluation = dg.AssetCheckEvaluation(
+                asset_key=dg.AssetKey(TRAIN),
+                check_name=name,
+                passed=ok,
+                metadata={"reason": reason, "step": step},
+                blocking=True,
             )
+            self.events.submit(functools.partial(self.context.log_event, evaluation))
         return {
             f"check/{name}": "passed" if ok else f"failed: {reason}"
             for name, (ok, reason) in results.items()
@@ -272,5 +290,8 @@ def run_trainer(
     except SyncWithheldError as err:
         raise dg.Failure(str(err), metadata={"step": err.step}) from err
     finally:
-        asyncio.run(trainer.shutdown())
+        try:
+            hook.close()
+        finally:
+            asyncio.run(trainer.shutdown())
     context.log.info(f"trainer loop stopped: {reason}")

@@ -23,6 +23,7 @@ final save's HF export to those that keep models (MLflow).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -92,6 +93,10 @@ class TrainerHook:
     def on_preview(self, step: int, rows: list[dict[str, Any]]) -> None:
         """The rollout examples table was logged at step N (`trainer.enable_preview`; called
         before that step's `on_step`)."""
+
+    def flush(self) -> None:
+        """Record what was reported so far, if the hook records it later (called before the
+        loop writes how training ended, which others wait for)."""
 
 
 @contextmanager
@@ -169,6 +174,7 @@ class Trainer:
         self._halt = None
         try:
             reason, final = await self._loop(end)
+            self.hook.flush()
             if final:
                 self.finish(reason)
             elif self._halt is not None or control.paused_by(self.paths) is not None:
@@ -180,6 +186,8 @@ class Trainer:
                     self.paths, self._halt, ok=True, message=reason, step=self.train_step_num
                 )
         except Exception as err:  # an interrupted loop (killed, cancelled) resumes: no state
+            with contextlib.suppress(Exception):  # the steps before the failure stay recorded
+                self.hook.flush()
             why = f"{type(err).__name__}: {err}"
             write_trainer_state(self.paths, "failed", self.train_step_num, why)
             failed = f"training failed at step {self.train_step_num}: {why}"
