@@ -21,8 +21,10 @@ from trinity_dagster.buffer import (
     table_stats,
     unconsumed_count,
 )
+from trinity_dagster.buffer.reader import StepBatches
 from trinity_dagster.buffer.sampler import BatchPinner
 from trinity_dagster.buffer.state import SamplerStateError
+from trinity_dagster.buffer.tables import HELD_TABLE_COMMITS
 from trinity_dagster.paths import RunPaths
 
 
@@ -67,6 +69,22 @@ def test_a_pinner_kept_open_pins_what_fresh_pins_would_and_sees_other_pinners(tm
     for step in (1, 2, 3, 4):
         assert load_step_batch(kept, step).equals(load_step_batch(fresh, step))
         assert sampler_state(kept, step) == sampler_state(fresh, step)
+
+
+def test_held_tables_stay_current_past_their_reopening(tmp_path):
+    """A writer and a pinner kept for more commits than a held table follows before it is
+    reopened (`HELD_TABLE_COMMITS`) write and pin what fresh ones do."""
+    kept, fresh = (buffer_config(tmp_path / name, train_batch_size=2) for name in ("k", "f"))
+    writer, pinner = ExperienceWriter(kept), BatchPinner(kept)
+    steps = HELD_TABLE_COMMITS + 5
+    for step in range(1, steps + 1):
+        rows = make_rows(f"s{step}-", 3)
+        assert writer.write(rows).written == ExperienceWriter(fresh).write(rows).written == 3
+        assert pinner.pin(step).eids == _pin(fresh, step).eids
+    assert writer.write(make_rows(f"s{steps}-", 1)).written == 0  # a duplicate eid is refused
+    reader = StepBatches(RunPaths.of(kept.run_root))
+    for step in (1, steps):
+        assert reader.load(step).equals(load_step_batch(fresh, step))
 
 
 def test_groups_are_pinned_whole_in_completion_order(tmp_path):

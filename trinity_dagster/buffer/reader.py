@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 
-from trinity_dagster.buffer.schema import EXPERIENCE_NAMES
-from trinity_dagster.buffer.tables import open_table
+from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_NAMES
+from trinity_dagster.buffer.tables import DataFiles, HeldTable, add_actions
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 
@@ -38,27 +39,46 @@ def load_step_batch(paths_or_config: RunPaths | TrinityConfig | str | Path, step
 
 class StepBatches:
     """Reads the pinned batches of one run, keeping the `batches` table open between reads
-    (each read brings it up to date incrementally instead of replaying its log)."""
+    (`HeldTable`)."""
 
     def __init__(self, paths: RunPaths) -> None:
         self.paths = paths
-        self._batches: DeltaTable | None = None
+        self._batches = HeldTable(paths.batches)
 
     def load(self, step: int) -> pa.Table:
         """What `load_step_batch` returns."""
-        if self._batches is None:
-            self._batches = open_table(self.paths.batches)
-        else:
-            self._batches.update_incremental()
-        if self._batches is None:
+        batches = self._batches.get()
+        if batches is None:
             raise StepNotPinnedError(
                 f"step {step} is not pinned: no batches table at {self.paths.batches}"
             )
-        dataset = self._batches.to_pyarrow_dataset(file_pruning_predicate=f"step = {step}")
-        rows = dataset.to_table(filter=(ds.field("step") == step) & (ds.field("kind") == "train"))
+        rows = _step_train_rows(batches, step)
         if rows.num_rows == 0:
             raise StepNotPinnedError(f"step {step} is not pinned in {self.paths.batches}")
         return rows.sort_by("position").select(list(EXPERIENCE_NAMES))
+
+
+def _step_train_rows(batches: DeltaTable, step: int) -> pa.Table:
+    """The train rows of `step`, read from the data files whose `step` statistics admit it
+    (a pin is one commit, so one file; a compacted table may spread steps over a few; a file
+    without statistics is read)."""
+    actions = add_actions(batches)
+    if actions.num_rows == 0:
+        return BATCH_SCHEMA.empty_table()
+    admits = pc.fill_null(
+        pc.and_kleene(
+            pc.less_equal(actions.column("min.step"), step),
+            pc.greater_equal(actions.column("max.step"), step),
+        ),
+        True,
+    )
+    files = DataFiles(batches)
+    condition = (ds.field("step") == step) & (ds.field("kind") == "train")
+    parts = [
+        files.open(path).to_table(filter=condition, schema=BATCH_SCHEMA)
+        for path in actions.filter(admits).column("path").to_pylist()
+    ]
+    return pa.concat_tables(parts) if parts else BATCH_SCHEMA.empty_table()
 
 
 def _aligned(

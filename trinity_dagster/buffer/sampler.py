@@ -28,12 +28,7 @@ from trinity_dagster.buffer.strategies import (
     Strategy,
     get_strategy,
 )
-from trinity_dagster.buffer.tables import (
-    open_or_create,
-    open_table,
-    retry_commits,
-    writer_properties,
-)
+from trinity_dagster.buffer.tables import HeldTable, open_table, retry_commits, writer_properties
 from trinity_dagster.buffer.validation import row_to_json
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
@@ -194,7 +189,7 @@ def pin_batch(
 class BatchPinner:
     """Pins steps for one caller (the trainer loop), keeping both tables open between pins.
 
-    Each pin brings the open tables up to date incrementally instead of replaying their logs.
+    Each pin brings the held tables up to date (`HeldTable`) instead of opening them afresh.
     After a pin of its own it keeps the sampler state it committed: while `batches` has no
     commit after that one, the next step's pin takes the state from memory instead of reading
     `batches`. Any other commit (another pinner, maintenance) sends it back to reading.
@@ -203,8 +198,8 @@ class BatchPinner:
     def __init__(self, config: TrinityConfig) -> None:
         self.config = config
         self.paths = RunPaths.of_config(config)
-        self._batches: DeltaTable | None = None
-        self._experiences: DeltaTable | None = None
+        self._batches = HeldTable(self.paths.batches, create_with=BATCH_SCHEMA)
+        self._experiences = HeldTable(self.paths.experiences)
         self._own: PinResult | None = None  # this pinner's last pin, at `batch_version`
 
     def pin(
@@ -233,20 +228,6 @@ class BatchPinner:
             raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
         return result
 
-    def _open_batches(self) -> DeltaTable:
-        if self._batches is None:
-            self._batches = open_or_create(self.paths.batches, BATCH_SCHEMA)
-        else:
-            self._batches.update_incremental()
-        return self._batches
-
-    def _open_experiences(self) -> DeltaTable | None:
-        if self._experiences is None:
-            self._experiences = open_table(self.paths.experiences)
-        else:
-            self._experiences.update_incremental()
-        return self._experiences
-
     def _state_before(self, batches: DeltaTable, step: int) -> SamplerState | PinResult:
         """The sampler state after step `step - 1`, or the rows of `step` if already pinned."""
         own = self._own
@@ -269,11 +250,12 @@ class BatchPinner:
     ) -> tuple[PinResult | PinShortfall, list[QuarantineRecord]]:
         """One try at pinning `step`: the pin (or the rows already pinned, or the shortfall),
         and the stale rows the pin drops. A commit conflict raises for `retry_commits`."""
-        batches = self._open_batches()
+        batches = self._batches.get()
+        assert batches is not None  # created if absent
         state = self._state_before(batches, step)
         if isinstance(state, PinResult):
             return state, []
-        experiences = self._open_experiences()
+        experiences = self._experiences.get()
         if experiences is None:
             return PinShortfall(have=0, need=context.config.buffer.train_batch_size), []
         strategy = get_strategy(context.config.buffer.sample_strategy)

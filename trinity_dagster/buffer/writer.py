@@ -27,8 +27,8 @@ from trinity_dagster.buffer.quarantine import QuarantineRecord, append_quarantin
 from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA, seq_floor
 from trinity_dagster.buffer.tables import (
     DataFiles,
+    HeldTable,
     add_actions,
-    open_or_create,
     retry_commits,
     writer_properties,
 )
@@ -81,7 +81,7 @@ class ExperienceWriter:
         self._known_versions = known_versions
         self._eids = EidIndex()
         self._seen_files: set[str] = set()
-        self._delta: DeltaTable | None = None  # kept open between writes
+        self._delta = HeldTable(self._paths.experiences, create_with=EXPERIENCE_SCHEMA)
 
     def write(
         self, rows: Sequence[Mapping[str, Any]] | pa.Table, explore_step: int | None = None
@@ -105,7 +105,8 @@ class ExperienceWriter:
         outcome: dict[str, Any] = {}
 
         def attempt() -> None:
-            delta = self._open()
+            delta = self._delta.get()
+            assert delta is not None  # created if absent
             self._refresh_eids(delta)
             stored = _stored_among(delta, self._eids.candidates(_text_eids(table)))
             problems = semantic_checks(table, self._max_len, known, stored)
@@ -156,14 +157,6 @@ class ExperienceWriter:
             eid = row["eid"] if isinstance(row.get("eid"), str) else None
             out.append(Rejection(kept[i], eid, bad_field, reason, row_to_json(row)))
         return out
-
-    def _open(self) -> DeltaTable:
-        """The experiences table at its latest version (created if absent)."""
-        if self._delta is None:
-            self._delta = open_or_create(self._paths.experiences, EXPERIENCE_SCHEMA)
-        else:
-            self._delta.update_incremental()
-        return self._delta
 
     def _refresh_eids(self, delta: DeltaTable) -> None:
         """Add the eids of data files not read before (compaction rewrites are harmless)."""
