@@ -14,16 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from trinity_dagster.algorithms.value import value_loss
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.engine import hf_weights
-from trinity_dagster.engine.optim import prepare_training
+from trinity_dagster.engine.optim import prepare_training, run_update
 from trinity_dagster.engine.packing import Packing, split_micro_batches
 from trinity_dagster.engine.parallel import ParallelInfo
 from trinity_dagster.engine.value_model import (
@@ -125,34 +122,23 @@ class Critic:
         weights change (the engine waits there for background-save snapshots)."""
         keys = ("tokens", "attention_mask", "response_mask", "values", "returns")
         micro_batches = self._micro_batches({key: local[key] for key in keys})
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         lr = float(self.optimizer.param_groups[0]["lr"])
-        outputs = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, len(micro_batches), num_tokens, num_seqs),
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(int(mb["tokens"].shape[1]) for mb in micro_batches),
-            micro_batch_size=int(micro_batches[0]["tokens"].shape[0]),
-            forward_only=False,
+        summed, grad_norm = run_update(
+            self.model,
+            self.optimizer,
+            partial(self._forward_step, len(micro_batches), num_tokens, num_seqs),
+            micro_batches,
+            grad_clip=self.config.critic.optim.grad_clip,
+            before_update=before_update,
+            what="the critic's update",
         )
-        summed = torch.stack(outputs).sum(dim=0)
-        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-        grad_clip = self.config.critic.optim.grad_clip
-        if grad_clip == 0:
-            grad_norm = self.optimizer.get_grad_norm()
-        before_update()
-        ok, clip_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError("the critic's optimizer skipped the update (grad overflow)")
         self.scheduler.step(increment=1)
         figures = dict(zip(_SUM_KEYS, summed.tolist(), strict=True))
         return {
             "critic/vf_loss": figures["vf_loss"],
             "critic/vf_clipfrac": figures["vf_clipfrac"],
             "critic/vpred_mean": figures["vpred_sum"] / num_tokens,
-            "critic/grad_norm": float(clip_norm if grad_clip > 0 else grad_norm),
+            "critic/grad_norm": grad_norm,
             "critic/lr": lr,
         }
 

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
 from trinity_dagster.algorithms import (
@@ -43,7 +42,7 @@ from trinity_dagster.engine.batch_check import BatchError, check_batch
 from trinity_dagster.engine.critic import STATE_KEY as CRITIC_STATE_KEY
 from trinity_dagster.engine.critic import Critic
 from trinity_dagster.engine.model import build_gpt_model, local_logits, packed_local_logits
-from trinity_dagster.engine.optim import has_stepped, prepare_training
+from trinity_dagster.engine.optim import has_stepped, prepare_training, run_update
 from trinity_dagster.engine.packing import Packing, split_micro_batches
 from trinity_dagster.engine.parallel import ParallelInfo, destroy_distributed, init_distributed
 from trinity_dagster.engine.state import (
@@ -189,33 +188,22 @@ class TrainEngine:
         """Update the actor on this rank's rows; its metrics (equal on every rank)."""
         settings = self._loss_settings(step, num_tokens, num_seqs)
         micro_batches = self._micro_batches(local)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         sft_lr = self.config.trainer.sft_lr
         if sft_lr is not None and step <= self.config.trainer.sft_warmup_steps:
             for group in self.optimizer.param_groups:
                 group["lr"] = sft_lr * group.get("lr_mult", 1.0)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        outputs = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, settings, len(micro_batches)),
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(int(mb["tokens"].shape[1]) for mb in micro_batches),
-            micro_batch_size=int(micro_batches[0]["tokens"].shape[0]),
-            forward_only=False,
+        summed, grad_norm = run_update(
+            self.model,
+            self.optimizer,
+            partial(self._forward_step, settings, len(micro_batches)),
+            micro_batches,
+            grad_clip=self.config.trainer.optim.grad_clip,
+            before_update=self._async_saves.wait_for_snapshots,
+            what=f"step {step}",
         )
-        summed = torch.stack(outputs).sum(dim=0)
-        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-        if self.config.trainer.optim.grad_clip == 0:
-            grad_norm = self.optimizer.get_grad_norm()
-        self._async_saves.wait_for_snapshots()
-        ok, clip_norm, _ = self.optimizer.step()
-        if not ok:
-            raise RuntimeError(f"step {step}: the optimizer skipped the update (grad overflow)")
-        grad_norm = clip_norm if self.config.trainer.optim.grad_clip > 0 else grad_norm
         metrics = step_metrics(summed, num_tokens)
-        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/grad_norm"] = grad_norm
         metrics["actor/lr"] = lr
         return metrics
 

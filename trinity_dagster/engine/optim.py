@@ -1,11 +1,15 @@
 """A model's training parts: Megatron DDP wrapper, optimizer and learning-rate scheduler,
-built from the typed config (the actor's `trainer.optim`, the critic's `critic.optim`)."""
+built from the typed config (the actor's `trainer.optim`, the critic's `critic.optim`), and
+one update of such a model through Megatron's schedule (`run_update`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -14,6 +18,7 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import MegatronModule
 
 from trinity_dagster.config import MegatronConfig, OptimConfig
@@ -119,3 +124,42 @@ def prepare_training(
     optimizer = build_optimizer([model], optim, megatron)
     gpt.config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, build_scheduler(optimizer, optim, total_steps)
+
+
+def run_update(
+    model: DistributedDataParallel,
+    optimizer: MegatronOptimizer,
+    forward_step: Callable[..., Any],
+    micro_batches: list[dict[str, torch.Tensor]],
+    *,
+    grad_clip: float,
+    before_update: Callable[[], None],
+    what: str,
+) -> tuple[torch.Tensor, float]:
+    """One update of `model` over `micro_batches` through Megatron's schedule.
+
+    `forward_step` is the schedule's forward step; the per-micro-batch figures its loss
+    function reports are returned summed over micro-batches and data-parallel ranks, with the
+    gradient norm before clipping. `before_update` runs just before the weights change (the
+    engine waits there for background-save snapshots). An update the optimizer skips (grad
+    overflow) raises, naming `what`.
+    """
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=max(int(mb["tokens"].shape[1]) for mb in micro_batches),
+        micro_batch_size=int(micro_batches[0]["tokens"].shape[0]),
+        forward_only=False,
+    )
+    summed = torch.stack(outputs).sum(dim=0)
+    dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    grad_norm = optimizer.get_grad_norm() if grad_clip == 0 else 0.0
+    before_update()
+    ok, clip_norm, _ = optimizer.step()
+    if not ok:
+        raise RuntimeError(f"{what}: the optimizer skipped the update (grad overflow)")
+    return summed, float(clip_norm if grad_clip > 0 else grad_norm)
