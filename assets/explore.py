@@ -68,7 +68,10 @@ def rollouts(
     threads = explorer_threads_here(run_config.config)
     context.log.info(f"explorer: {threads} torch thread(s) (explorer.torch_threads)")
     loop = ExplorerLoop(run_config.config, on_step=log_step)
-    reason = loop.run(run_steps(context)[0], run_last_step(context), done)
+    try:
+        reason = loop.run(run_steps(context)[0], run_last_step(context), done)
+    finally:
+        loop.close()
     context.log.info(f"explorer loop stopped: {reason}")
     paths, total = run_config.paths, run_config.config.trainer.total_steps
     if end_of_data(paths) is not None or finished_training(paths, total) is not None:

@@ -182,6 +182,11 @@ class RunPaths:
         return self.logs / "heartbeats"
 
     @property
+    def wakeup(self) -> Path:
+        """The sockets of loops waiting for experiences or weights (`handoff.wakeup`)."""
+        return self.logs / "wakeup"
+
+    @property
     def step_records(self) -> Path:
         """The engine's record of each trained step."""
         return self.logs / "steps"

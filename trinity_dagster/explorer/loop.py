@@ -48,6 +48,7 @@ from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
 from trinity_dagster.handoff.sync_requests import is_answered, request_sync
 from trinity_dagster.handoff.trainer_state import read_trainer_state
+from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.tasks import load_taskset
 from trinity_dagster.weight_sync.announce import announced_version
@@ -58,7 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # between looks for new weights: a few file reads, so 5 ms costs ~1% of a core and keeps
-# the hand-off from the trainer within a few ms (bench daemon)
+# the hand-off from the trainer within a few ms (bench daemon); the trainer loop also wakes
+# the explorer when it synced (`handoff.wakeup`)
 WEIGHTS_POLL_S = 0.005
 RECEIVE_TRIES = 3
 ALREADY_IN_TABLE = "already in the experiences table"
@@ -129,6 +131,7 @@ class ExplorerLoop:
         self._started_at = time.time()
         self._held: int | None = None  # the weights version of the last explored step
         self._heartbeat = Heartbeat(self.paths, explorer_id)
+        self._wakeup = Wakeup(self.paths.wakeup, EXPLORER, explorer_id)
 
     @property
     def explorer(self) -> Explorer:
@@ -172,6 +175,10 @@ class ExplorerLoop:
             return reason
         return f"explored up to step {last}, the end of the requested range"
 
+    def close(self) -> None:
+        """Stop listening for the trainer's wake-ups (a later `run` polls only)."""
+        self._wakeup.close()
+
     def explore_step(self, step: int) -> str | None:
         """Explore one step and report it; returns why the loop stops, or None to go on."""
         config = self.config
@@ -190,6 +197,7 @@ class ExplorerLoop:
         marks.append(time.perf_counter())
         self._writing_version = self._held = version
         report = self._writer.write(rows_for_writer(rows), explore_step=step)
+        wake(self.paths.wakeup, TRAINER)
         marks.append(time.perf_counter())
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
             raise ValueError(
@@ -300,7 +308,7 @@ class ExplorerLoop:
                     f"{what}; none came within synchronizer.sync_timeout "
                     f"({self.config.synchronizer.sync_timeout:g} s)"
                 )
-            time.sleep(WEIGHTS_POLL_S)
+            self._wakeup.wait(WEIGHTS_POLL_S)
         return ""
 
     def _finished_now(self, step: int) -> bool:

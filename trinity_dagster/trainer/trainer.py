@@ -22,7 +22,6 @@ final save's HF export to those that keep models (MLflow).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -46,6 +45,7 @@ from trinity_dagster.handoff.control import ControlRequest
 from trinity_dagster.handoff.end_of_data import end_of_data
 from trinity_dagster.handoff.sync_requests import SyncRequest, answer_requests, pending_requests
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, STOPPED, write_trainer_state
+from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
 from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
@@ -57,7 +57,8 @@ from trinity_dagster.weight_sync.announce import announced_version
 log = logging.getLogger(__name__)
 
 # between looks for new experiences: a few stats, so 5 ms costs ~1% of a core and keeps
-# the hand-off from the explorers within a few ms (bench daemon)
+# the hand-off from the explorers within a few ms (bench daemon); the built-in explorer also
+# wakes the loop when it committed rows (`handoff.wakeup`)
 BATCH_POLL_S = 0.005
 
 
@@ -131,6 +132,7 @@ class Trainer:
         self._halt: ControlRequest | None = None  # the pause or stop request being obeyed
         self._last_sync_at: float | None = None  # perf_counter() of this loop's last sync
         self._wait_metrics: dict[str, Any] = {}  # of syncs made while waiting for data
+        self._wakeup: Wakeup | None = None  # bound while the loop waits for data
         self.preview = RolloutPreview(self.paths) if config.trainer.enable_preview else None
         self.monitor = MonitorGroup({})  # the tracking backends, started by prepare()
 
@@ -172,6 +174,7 @@ class Trainer:
         ends = [n for n in (self.total_steps, last_step) if n is not None]
         end = min(ends) if ends else None
         self._halt = None
+        self._wakeup = Wakeup(self.paths.wakeup, TRAINER, "loop")
         try:
             reason, final = await self._loop(end)
             self.hook.flush()
@@ -195,6 +198,8 @@ class Trainer:
             if self._halt is not None:
                 control.answer(self.paths, self._halt, ok=False, message=failed)
             raise
+        finally:
+            self._wakeup.close()
         log.info("trainer stopped at step %d: %s", self.train_step_num, reason)
         return reason
 
@@ -309,7 +314,14 @@ class Trainer:
             self._wait_metrics.update(await self._serve_sync())  # waiting explorers go on
             if self._serve_control() is not None:
                 raise _Halted
-            await asyncio.sleep(BATCH_POLL_S)
+            self._wait_for_rows()
+
+    def _wait_for_rows(self) -> None:
+        """Sleep until an explorer wakes the loop or the poll interval passed."""
+        if self._wakeup is None:
+            time.sleep(BATCH_POLL_S)
+        else:
+            self._wakeup.wait(BATCH_POLL_S)
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
         """Train the step `batch` is pinned to; returns its metrics."""
@@ -390,7 +402,9 @@ class Trainer:
         return metrics
 
     def _note_sync(self, metrics: dict[str, Any]) -> None:
-        """Add `time/trainer_sync_interval`: seconds since this loop's previous sync."""
+        """Wake the explorers waiting for weights; add `time/trainer_sync_interval`: seconds
+        since this loop's previous sync."""
+        wake(self.paths.wakeup, EXPLORER)
         now = time.perf_counter()
         if self._last_sync_at is not None:
             metrics["time/trainer_sync_interval"] = now - self._last_sync_at

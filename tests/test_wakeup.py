@@ -1,0 +1,66 @@
+"""Wake-ups between the loops: a waiter returns when woken, sleeps its poll when not, and a
+waiter that cannot listen or has died costs nothing but its poll."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
+
+
+def test_a_woken_waiter_returns_at_once_and_only_its_side_is_woken(tmp_path: Path) -> None:
+    trainer = Wakeup(tmp_path, TRAINER, "loop")
+    explorer = Wakeup(tmp_path, EXPLORER, "builtin")
+    try:
+        threading.Timer(0.2, wake, args=(tmp_path, TRAINER)).start()
+        started = time.monotonic()
+        trainer.wait(30.0)
+        assert time.monotonic() - started < 10.0  # woken, not timed out
+        started = time.monotonic()
+        explorer.wait(0.3)  # the trainer's wake-up was not for it
+        assert time.monotonic() - started >= 0.25
+        wake(tmp_path, EXPLORER)
+        wake(tmp_path, EXPLORER)
+        explorer.wait(30.0)  # both wake-ups consumed at once
+        started = time.monotonic()
+        explorer.wait(0.3)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        trainer.close()
+        explorer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_socket_path_too_long_falls_back_to_polling(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    waiter = Wakeup(deep, TRAINER, "loop")
+    wake(deep, TRAINER)  # nothing listens: no error
+    started = time.monotonic()
+    waiter.wait(0.2)
+    assert time.monotonic() - started >= 0.15
+    assert not deep.exists()
+
+
+def test_the_socket_of_a_waiter_that_died_is_removed_by_the_next_wake(tmp_path: Path) -> None:
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from trinity_dagster.handoff.wakeup import EXPLORER, Wakeup\n"
+        "Wakeup(Path(sys.argv[1]), EXPLORER, 'gone')\n"
+        "print('listening', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdout.readline() == "listening\n"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert len(list(tmp_path.glob("explorer.*.sock"))) == 1
+    wake(tmp_path, EXPLORER)
+    assert list(tmp_path.glob("explorer.*.sock")) == []
