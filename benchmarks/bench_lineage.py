@@ -33,7 +33,7 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 from trinity_dagster.buffer.sampler import PIN_STEP_KEY
 from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_SCHEMA, seq_floor
 from trinity_dagster.buffer.state import SamplerState
-from trinity_dagster.buffer.tables import open_or_create, writer_properties
+from trinity_dagster.buffer.tables import open_or_create, table_dataset, writer_properties
 from trinity_dagster.buffer.writer import EXPLORE_STEP_KEY
 from trinity_dagster.lineage.ledger import (
     ROLLOUTS_SCHEMA,
@@ -207,7 +207,7 @@ def main() -> None:
         print(f"built a {args.steps}-step ledger ({args.steps * ROWS} rows) in {build_s:.1f} s")
         files = len(DeltaTable(paths.ledger_steps).file_uris())
         full_read_s, _ = timed(
-            lambda: DeltaTable(paths.ledger_steps).to_pyarrow_table(), args.repeats
+            lambda: table_dataset(DeltaTable(paths.ledger_steps)).to_table(), args.repeats
         )
         middle = args.steps // 2
         checkpoint_s, ckpt = timed(

@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 
-from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_NAMES
-from trinity_dagster.buffer.tables import DataFiles, HeldTable, add_actions
+from trinity_dagster.buffer.schema import EXPERIENCE_NAMES
+from trinity_dagster.buffer.tables import HeldTable, table_dataset
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 
@@ -60,25 +59,9 @@ class StepBatches:
 
 def _step_train_rows(batches: DeltaTable, step: int) -> pa.Table:
     """The train rows of `step`, read from the data files whose `step` statistics admit it
-    (a pin is one commit, so one file; a compacted table may spread steps over a few; a file
-    without statistics is read)."""
-    actions = add_actions(batches)
-    if actions.num_rows == 0:
-        return BATCH_SCHEMA.empty_table()
-    admits = pc.fill_null(
-        pc.and_kleene(
-            pc.less_equal(actions.column("min.step"), step),
-            pc.greater_equal(actions.column("max.step"), step),
-        ),
-        True,
-    )
-    files = DataFiles(batches)
+    (a pin is one commit, so one file; a compacted table may spread steps over a few)."""
     condition = (ds.field("step") == step) & (ds.field("kind") == "train")
-    parts = [
-        files.open(path).to_table(filter=condition, schema=BATCH_SCHEMA)
-        for path in actions.filter(admits).column("path").to_pylist()
-    ]
-    return pa.concat_tables(parts) if parts else BATCH_SCHEMA.empty_table()
+    return table_dataset(batches, "step", step, step).to_table(filter=condition)
 
 
 def _aligned(

@@ -28,7 +28,13 @@ from trinity_dagster.buffer.strategies import (
     Strategy,
     get_strategy,
 )
-from trinity_dagster.buffer.tables import HeldTable, open_table, retry_commits, writer_properties
+from trinity_dagster.buffer.tables import (
+    HeldTable,
+    open_table,
+    retry_commits,
+    table_dataset,
+    writer_properties,
+)
 from trinity_dagster.buffer.validation import row_to_json
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
@@ -98,7 +104,7 @@ class PinResult:
 
 def _step_rows(batches: DeltaTable, steps: list[int], columns: list[str]) -> pa.Table:
     low, high = min(steps), max(steps)
-    dataset = batches.to_pyarrow_dataset(file_pruning_predicate=f"step >= {low} AND step <= {high}")
+    dataset = table_dataset(batches, "step", low, high)
     return dataset.to_table(columns=columns, filter=ds.field("step").isin(steps))
 
 

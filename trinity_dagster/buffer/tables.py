@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 from deltalake import DeltaTable, WriterProperties
@@ -153,13 +154,40 @@ class DataFiles:
     """Opens data files of one Delta table (paths as in its log) as parquet fragments."""
 
     def __init__(self, table: DeltaTable) -> None:
-        self._filesystem, base = pafs.FileSystem.from_uri(table.table_uri)
+        self.filesystem, base = pafs.FileSystem.from_uri(table.table_uri)
         self._base = base.rstrip("/")
-        self._format = ds.ParquetFileFormat()
+        self.format = ds.ParquetFileFormat()
 
     def open(self, path: str) -> ds.FileFragment:
         """The parquet fragment of the data file at `path` (relative to the table root)."""
-        return self._format.make_fragment(f"{self._base}/{path}", filesystem=self._filesystem)
+        return self.format.make_fragment(f"{self._base}/{path}", filesystem=self.filesystem)
+
+
+def table_dataset(
+    table: DeltaTable, column: str | None = None, low: int | None = None, high: int | None = None
+) -> ds.Dataset:
+    """The snapshot's live data files as a dataset on Arrow's own file system, without the
+    files whose `column` statistics rule out every value in `low..high` (None: unbounded; a
+    file without statistics is kept). Row filters are the caller's.
+
+    Used instead of `DeltaTable.to_pyarrow_dataset`, whose Python file system, called from
+    Arrow's IO threads, now and then aborts the process at exit ("terminate called without
+    an active exception": 4 of 100 runs of `trinity-dagster lineage`, none of 100 with this).
+    """
+    actions = add_actions(table)
+    if actions.num_rows and column is not None and f"min.{column}" in actions.column_names:
+        admits = pa.array([True] * actions.num_rows)
+        if low is not None:
+            admits = pc.and_kleene(admits, pc.greater_equal(actions.column(f"max.{column}"), low))
+        if high is not None:
+            admits = pc.and_kleene(admits, pc.less_equal(actions.column(f"min.{column}"), high))
+        actions = actions.filter(pc.fill_null(admits, True))
+    files = DataFiles(table)
+    paths = actions.column("path").to_pylist() if actions.num_rows else []
+    schema = pa.schema(table.schema().to_arrow())
+    return ds.FileSystemDataset(
+        [files.open(path) for path in paths], schema, files.format, files.filesystem
+    )
 
 
 def retry_commits(attempt: Callable[[], T], max_retries: int, what: str) -> T:

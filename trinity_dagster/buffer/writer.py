@@ -30,6 +30,7 @@ from trinity_dagster.buffer.tables import (
     HeldTable,
     add_actions,
     retry_commits,
+    table_dataset,
     writer_properties,
 )
 from trinity_dagster.buffer.validation import (
@@ -181,5 +182,5 @@ def _stored_among(delta: DeltaTable, eids: list[str]) -> set[str]:
     only when the index names candidates: a retried write, or a hash collision)."""
     if not eids:
         return set()
-    found = delta.to_pyarrow_dataset().to_table(columns=["eid"], filter=ds.field("eid").isin(eids))
+    found = table_dataset(delta).to_table(columns=["eid"], filter=ds.field("eid").isin(eids))
     return set(found.column("eid").to_pylist())

@@ -30,6 +30,7 @@ from trinity_dagster.buffer.tables import (
     open_or_create,
     open_table,
     retry_commits,
+    table_dataset,
     writer_properties,
 )
 from trinity_dagster.buffer.writer import EXPLORE_STEP_KEY
@@ -109,7 +110,7 @@ def _new_step_rows(paths: RunPaths, ledger: DeltaTable) -> pa.Table | None:
         return None
     last_step = _stat_max(ledger, "step") or 0
     last_pin = _stat_max(ledger, "batch_version")
-    rows = batches.to_pyarrow_dataset(file_pruning_predicate=f"step > {last_step}").to_table(
+    rows = table_dataset(batches, "step", low=last_step + 1).to_table(
         columns=[
             "step",
             "position",
@@ -144,9 +145,7 @@ def _new_step_rows(paths: RunPaths, ledger: DeltaTable) -> pa.Table | None:
 def _watermarks(batches: DeltaTable, steps: list[int]) -> dict[int, int]:
     """The sampler cursor recorded with each of `steps` (first row of each step)."""
     low, high = steps[0], steps[-1]
-    states = batches.to_pyarrow_dataset(
-        file_pruning_predicate=f"step >= {low} AND step <= {high}"
-    ).to_table(
+    states = table_dataset(batches, "step", low, high).to_table(
         columns=["step", "sampler_state"],
         filter=(pc.field("step") >= low) & (pc.field("step") <= high) & (pc.field("position") == 0),
     )
@@ -167,7 +166,7 @@ def _new_rollout_rows(paths: RunPaths, ledger: DeltaTable) -> pa.Table | None:
         return None
     last = _stat_max(ledger, "experiences_version")
     floor = seq_floor(0 if last is None else last + 1)
-    rows = experiences.to_pyarrow_dataset(file_pruning_predicate=f"ingest_seq >= {floor}").to_table(
+    rows = table_dataset(experiences, "ingest_seq", low=floor).to_table(
         columns=["ingest_seq", "explorer_id", "model_version"],
         filter=pc.field("ingest_seq") >= floor,
     )

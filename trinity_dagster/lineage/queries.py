@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from trinity_dagster.buffer.schema import SEQ_SHIFT
-from trinity_dagster.buffer.tables import open_table
+from trinity_dagster.buffer.tables import open_table, table_dataset
 from trinity_dagster.checkpoint.layout import (
     MANIFEST_FILE,
     checkpoint_dir,
@@ -63,7 +63,7 @@ def _dataset(location: str, schema: pa.Schema) -> ds.Dataset:
     table = open_table(location)
     if table is None:
         return ds.dataset(schema.empty_table())
-    return table.to_pyarrow_dataset()
+    return table_dataset(table)
 
 
 def counts_by(table: pa.Table, key: str) -> dict[int, int]:
@@ -225,7 +225,7 @@ def _written(paths: RunPaths, eids: list[str]) -> dict[str, tuple[int, int]]:
     experiences = open_table(paths.experiences)
     if experiences is None:
         return {}
-    found = experiences.to_pyarrow_dataset().to_table(
+    found = table_dataset(experiences).to_table(
         columns=["eid", "ingest_seq", "model_version"],
         filter=ds.field("eid").isin(pa.array(eids, pa.string())),
     )

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trinity_dagster.buffer.tables import open_table
+from trinity_dagster.buffer.tables import open_table, table_dataset
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.lineage.queries import LedgerView
 from trinity_dagster.paths import RunPaths
@@ -57,7 +57,7 @@ def verify_trained_once(paths: RunPaths, reuse_limit: int = 1) -> Verdict:
     consumed = view.step_rows(["step", "kind", "eid", "ingest_seq", "watermark"])
     experiences = open_table(paths.experiences)
     written = (
-        experiences.to_pyarrow_dataset().to_table(columns=["eid", "ingest_seq"])
+        table_dataset(experiences).to_table(columns=["eid", "ingest_seq"])
         if experiences is not None
         else pa.table({"eid": pa.array([], pa.string()), "ingest_seq": pa.array([], pa.int64())})
     )
