@@ -1,4 +1,5 @@
-"""The buffer's Delta tables stay cheap to open however many steps have committed."""
+"""The buffer's Delta tables stay cheap to open however many steps have committed, and read
+as Delta Lake reads them."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
 from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import DeltaProtocolError
 
-from trinity_dagster.buffer.tables import open_or_create
+from trinity_dagster.buffer.tables import open_or_create, table_dataset
 
 
 def test_new_tables_checkpoint_their_log_every_ten_commits(tmp_path: Path) -> None:
@@ -22,3 +26,30 @@ def test_new_tables_checkpoint_their_log_every_ten_commits(tmp_path: Path) -> No
     assert table.version() == 25  # version 0 is the create, 1..25 the appends
     assert table.version() - last_checkpoint["version"] <= 10  # at most 10 commits to replay
     assert table.to_pyarrow_table().num_rows == 25
+
+
+def test_a_table_dataset_reads_what_delta_lake_reads_skipping_files_by_statistics(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "table"
+    table = open_or_create(path, pa.schema([("step", pa.int64()), ("eid", pa.string())]))
+    for step in range(1, 7):
+        rows = pa.table({"step": [step, step], "eid": [f"{step}-a", f"{step}-b"]})
+        write_deltalake(table, rows, mode="append")
+    write_deltalake(table, pa.table({"step": [2, 5], "eid": ["late-2", "late-5"]}), mode="append")
+    everything = table_dataset(table).to_table().sort_by("eid")
+    assert everything.equals(DeltaTable(str(path)).to_pyarrow_table().sort_by("eid"))
+    middle = table_dataset(table, "step", 2, 3)
+    assert len(middle.files) == 3  # steps 2 and 3, and the file holding steps 2..5
+    found = middle.to_table(filter=ds.field("step").isin([2, 3])).column("eid").to_pylist()
+    assert sorted(found) == ["2-a", "2-b", "3-a", "3-b", "late-2"]
+    assert len(table_dataset(table, "step", low=6).files) == 1
+
+
+def test_a_table_with_deletion_vectors_is_refused_naming_the_feature(tmp_path: Path) -> None:
+    schema = pa.schema([("step", pa.int64())])
+    table = DeltaTable.create(
+        str(tmp_path / "t"), schema, configuration={"delta.enableDeletionVectors": "true"}
+    )
+    with pytest.raises(DeltaProtocolError, match="deletionVectors"):
+        table_dataset(table)

@@ -18,7 +18,12 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 from deltalake import DeltaTable, WriterProperties
-from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake.exceptions import (
+    CommitFailedError,
+    DeltaError,
+    DeltaProtocolError,
+    TableNotFoundError,
+)
 
 from trinity_dagster.buffer.schema import ROW_GROUP_ROWS
 from trinity_dagster.paths import delta_unaddressable, local_path
@@ -163,6 +168,10 @@ class DataFiles:
         return self.format.make_fragment(f"{self._base}/{path}", filesystem=self.filesystem)
 
 
+# reader features under which a data file alone does not give the table's rows
+UNREADABLE_FEATURES = {"deletionVectors", "columnMapping"}
+
+
 def table_dataset(
     table: DeltaTable, column: str | None = None, low: int | None = None, high: int | None = None
 ) -> ds.Dataset:
@@ -173,7 +182,15 @@ def table_dataset(
     Used instead of `DeltaTable.to_pyarrow_dataset`, whose Python file system, called from
     Arrow's IO threads, now and then aborts the process at exit ("terminate called without
     an active exception": 4 of 100 runs of `trinity-dagster lineage`, none of 100 with this).
+    Raises `DeltaProtocolError` for a table whose rows the plain files do not give as they
+    are (deletion vectors, column mapping), as that method does.
     """
+    unreadable = set(table.protocol().reader_features or ()) & UNREADABLE_FEATURES
+    if unreadable:
+        raise DeltaProtocolError(
+            f"Delta table {table.table_uri} uses reader features {sorted(unreadable)}, "
+            "which this project does not read (it writes tables without them)"
+        )
     actions = add_actions(table)
     if actions.num_rows and column is not None and f"min.{column}" in actions.column_names:
         admits = pa.array([True] * actions.num_rows)

@@ -125,7 +125,7 @@ class ExperienceWriter:
                     commit_properties=CommitProperties(max_commit_retries=0, custom_metadata=info),
                 )
                 self._eids.add(valid.column("eid").to_pylist())
-                if delta.version() == version:  # the snapshot after the commit: ours is new
+                if delta.version() == version:  # our commit is the newest: its files are ours
                     self._seen_files.update(add_actions(delta).column("path").to_pylist())
             outcome.update(problems=problems, written=valid.num_rows, version=version)
 
