@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from trinity_dagster.checkpoint.publish import (
     record_sync_from_checkpoint,
 )
 from trinity_dagster.checkpoint.weights_holds import held_versions, hold_weights
+from trinity_dagster.files import write_file_synced
 from trinity_dagster.paths import RunPaths
 
 
@@ -109,6 +111,18 @@ def test_a_crash_mid_write_leaves_the_old_version_resolvable(tmp_path: Path, mon
     assert [(d.step, d.kind) for d in scan_step_dirs(paths.weights)] == [(1, "final")]
     with pytest.raises(FileNotFoundError, match="no weights of version 2"):
         weights_dir(paths, 2)
+
+
+def test_a_published_directory_holds_its_files_alone_readable_by_all(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    out = _publish(paths, 1, _tiny_llama(seed=1), _tokenizer_dir(tmp_path))
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert {stat.S_IMODE((out / name).stat().st_mode) for name in files} == {0o644}
+    assert json.loads((out / "tokenizer.json").read_text()) == {"version": "1.0"}
+    with pytest.raises(FileExistsError):
+        write_file_synced(out / "config.json", lambda path: path.write_text("{}"))
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 32
 
 
 def test_republish_replaces_and_the_marker_never_moves_back(tmp_path: Path) -> None:

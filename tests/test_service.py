@@ -16,7 +16,12 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from trinity_dagster.checkpoint.layout import checkpoint_dir, latest_checkpoint_step, weights_dir
+from trinity_dagster.checkpoint.layout import (
+    checkpoint_dir,
+    latest_checkpoint_step,
+    scan_step_dirs,
+    weights_dir,
+)
 from trinity_dagster.checkpoint.manifest import read_manifest, verify_checkpoint
 from trinity_dagster.faults import ENV as FAULT_ENV
 from trinity_dagster.faults import Fault, fired_path, parse_fault
@@ -80,6 +85,16 @@ def test_service_trains_in_order_and_answers_status(service) -> None:
     with pytest.raises(EngineError) as late:
         client.save_checkpoint(1)
     assert late.value.status == 409 and "engine is at step 2" in str(late.value)
+
+    # superseded sync-only versions are pruned after the reply (keep_synced_weights 2)
+    client.train_step(3)
+    client.publish_weights(3)
+    client.train_step(4)
+    client.train_step(5)
+    client.publish_weights(5)
+    assert client.publish_weights(5)["version"] == 5  # the next command: the prune has run
+    finals = [d.step for d in scan_step_dirs(paths.weights) if d.kind == "final"]
+    assert finals == [0, 3, 5]
 
 
 def test_token_is_required_and_wrong_tokens_change_nothing(service) -> None:

@@ -2,7 +2,8 @@
 
 A file is written to a hidden temp file beside it, fsynced, renamed over the target, and the
 directory is fsynced: a reader (or a restart after a power cut) sees the old file or the new
-one, never a part of either.
+one, never a part of either. A file of a private directory that becomes visible only when
+renamed into place, whole, needs none of that: `write_file_synced` writes it where it goes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ def write_file_atomic(
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_file_synced(
+    path: Path, write: Callable[[Path], object], *, mode: int = FILE_MODE
+) -> None:
+    """Create the new file `path`, have `write` fill it, give it `mode` and fsync it.
+
+    For files of a directory that no reader sees before it is complete (renamed into place):
+    the caller fsyncs that directory once. Raises FileExistsError if `path` exists.
+    """
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode))
+    write(path)
+    os.chmod(path, mode)  # whatever the umask, and if `write` made the file anew
+    _fsync(path)
 
 
 def write_text_atomic(path: Path, text: str, *, mode: int = FILE_MODE) -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trinity_dagster.files import write_file_atomic, write_text_atomic
+from trinity_dagster.files import fsync_dir, write_file_atomic, write_file_synced
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -41,6 +41,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 _DTYPE_KEYS = ("dtype", "torch_dtype")
+_FileWriter = Callable[[Path, Callable[[Path], object]], None]
 
 
 def hf_dir_written(directory: Path) -> bool:
@@ -63,12 +64,16 @@ def write_hf_dir(
     tensors: Mapping[str, Tensor],
     hf_config: Mapping[str, Any],
     source_dir: Path | None,
+    *,
+    fresh: bool = False,
 ) -> Path:
     """Write `tensors` with `hf_config` as an HF directory `out_dir`; returns `out_dir`.
 
     `source_dir` is the HF directory the model came from: its tokenizer files and generation
     config are copied. Every file is replaced atomically and fsynced, `config.json` last, so a
     directory with a `config.json` is complete. Sharded weights of an earlier write are removed.
+    `fresh`: `out_dir` must not exist; it is created, its files are written in place and
+    fsynced, then the directory: for a directory renamed into place once whole (a publish).
     """
     if source_dir is not None and not Path(source_dir).is_dir():
         raise FileNotFoundError(
@@ -76,13 +81,16 @@ def write_hf_dir(
         )
     cpu = _cpu_tensors(tensors, out_dir)
     config_text = _config_text(hf_config, cpu, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=not fresh)
     for stale in [out_dir / WEIGHTS_INDEX_FILE, *out_dir.glob(SHARDED_WEIGHTS_GLOB)]:
         stale.unlink(missing_ok=True)
-    _write_weights(out_dir / WEIGHTS_FILE, cpu)
+    write = write_file_synced if fresh else write_file_atomic
+    _write_weights(out_dir / WEIGHTS_FILE, cpu, write)
     if source_dir is not None:
-        _copy_model_files(Path(source_dir), out_dir)
-    write_text_atomic(out_dir / CONFIG_FILE, config_text)
+        _copy_model_files(Path(source_dir), out_dir, write)
+    write(out_dir / CONFIG_FILE, lambda path: path.write_text(config_text))
+    if fresh:
+        fsync_dir(out_dir)
     return out_dir
 
 
@@ -127,15 +135,15 @@ def _config_text(hf_config: Mapping[str, Any], tensors: dict[str, Tensor], out_d
         raise ValueError(f"hf_config is not JSON-serializable (for {out_dir}): {err}") from None
 
 
-def _write_weights(path: Path, tensors: dict[str, Tensor]) -> None:
+def _write_weights(path: Path, tensors: dict[str, Tensor], write: _FileWriter) -> None:
     from safetensors.torch import save_file
 
-    write_file_atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write(path, lambda target: save_file(tensors, target, metadata={"format": "pt"}))
 
 
-def _copy_model_files(source_dir: Path, out_dir: Path) -> None:
+def _copy_model_files(source_dir: Path, out_dir: Path, write: _FileWriter) -> None:
     """Copy the tokenizer files and generation config that `source_dir` has."""
     for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
         source = source_dir / name
         if source.is_file():
-            write_file_atomic(out_dir / name, partial(shutil.copyfile, source))
+            write(out_dir / name, partial(shutil.copyfile, source))

@@ -64,7 +64,7 @@ def publish_weights(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = scratch_dir(target.parent, step)
     try:
-        write_hf_dir(tmp, tensors, hf_config, source_dir)
+        write_hf_dir(tmp, tensors, hf_config, source_dir, fresh=True)
         fault_point("weights_publish", step)
         if target.exists():
             discard_dir(target, step)

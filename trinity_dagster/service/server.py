@@ -69,6 +69,8 @@ class Host(Protocol):
 
     def has_pending_saves(self) -> bool: ...
 
+    def after_reply(self) -> None: ...
+
     def broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
@@ -310,6 +312,7 @@ def rank0_loop(host: Host, bus: CommandBus, idle_timeout_s: float) -> str:
             command.future.set_exception(err)
         finally:
             bus.busy_with = None
+        host.after_reply()
 
 
 def worker_loop(host: Host) -> None:
