@@ -100,7 +100,8 @@ def _launch(service: dict[str, Any], node_rank: int | None = None, dp: int = 2) 
     return launch_command(Path("/run/c.yaml"), config, node_rank)[1:]
 
 
-def test_one_node_launch_is_the_loopback_agent_as_before() -> None:
+def test_one_rank_runs_alone_and_more_ranks_on_one_node_under_the_loopback_agent() -> None:
+    assert _launch({}, dp=1) == ["-m", "trinity_dagster.service.main", "-c", "/run/c.yaml"]
     assert _launch({}) == [
         "-m",
         "trinity_dagster.service.agent",

@@ -245,18 +245,23 @@ def _listening(processes: list[psutil.Process]) -> list[tuple[int, str, int]]:
     return found
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_service_listens_on_loopback_only_and_drops_unauthenticated_bodies(
-    tmp_path: Path,
+    tmp_path: Path, ranks: int
 ) -> None:
-    config, _ = tiny_config(tmp_path)
+    config, _ = tiny_config(tmp_path, {"megatron": {"data_parallel_size": ranks}})
     paths = RunPaths.of(config.run_root)
     try:
         with connect(config) as client:
             state = read_state(paths)
             processes = service_processes(state)
-            assert len(processes) >= 2  # the agent and rank 0
             sockets = _listening(processes)
-            assert any(pid == state.launcher_pid for pid, _, _ in sockets)  # the rendezvous
+            if ranks == 1:  # rank 0 alone, without torchrun's agent
+                assert [p.pid for p in processes] == [state.pid] == [state.launcher_pid]
+            else:  # the agent and its ranks; the agent hosts the rendezvous store
+                assert len(processes) == 1 + ranks
+                assert any(pid == state.launcher_pid for pid, _, _ in sockets)
+            assert any(pid == state.pid for pid, _, _ in sockets)  # the control API
             assert all(ip == "127.0.0.1" for _, ip, _ in sockets), sockets
 
             rank0 = psutil.Process(state.pid)

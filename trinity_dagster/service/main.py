@@ -1,4 +1,4 @@
-"""Entry point of one engine service rank, launched by torchrun (see `launcher.py`).
+"""Entry point of one engine service rank, launched by torchrun or alone (see `launcher.py`).
 
 Every rank builds its engine host; rank 0 also serves the control API and publishes the
 service state file once it answers.
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         state = ServiceState(
             pid=os.getpid(),
             pgid=os.getpgid(0),
-            launcher_pid=os.getppid(),
+            # torchrun's agent, or this process when started alone (`launcher.runs_alone`)
+            launcher_pid=os.getppid() if "WORLD_SIZE" in os.environ else os.getpid(),
             host=advertised_host(config.service.host),
             port=server.port,
             world_size=host.world_size,

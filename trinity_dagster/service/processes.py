@@ -1,9 +1,10 @@
 """The processes of a running engine service (psutil): which are ours, which are frozen, kill.
 
 A service is the agent (`launcher_pid`, `service/agent.py`), the ranks torchrun started
-(each in a session of its own) and their children. The state file names the agent and
-rank 0; the other ranks are found as the agent's descendants. A pid from the state file
-counts only while it still runs our code, so a reused pid is never signalled.
+(each in a session of its own) and their children; a service of one rank is that rank alone
+(`launcher_pid` is its own pid). The state file names the agent and rank 0; the other ranks
+are found as the agent's descendants. A pid from the state file counts only while it still
+runs our code, so a reused pid is never signalled.
 """
 
 from __future__ import annotations

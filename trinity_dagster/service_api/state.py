@@ -74,7 +74,7 @@ class ServiceState:
 
     pid: int  # rank 0
     pgid: int  # rank 0's process group (torchrun starts each rank in a session of its own)
-    launcher_pid: int  # the torchrun agent, leader of its own process group
+    launcher_pid: int  # the torchrun agent (leader of its own process group), or rank 0 alone
     host: str
     port: int
     world_size: int
