@@ -2,9 +2,8 @@
 
 The service runs under torchrun with the configuration's world size (an engine of one rank
 on one node runs alone, without torchrun's agent), detached in its own process group, logging
-to `logs/engine.log`. One run root has at most one service: starts
-are serialised with a lock file, and a state file naming a dead or silent process is stale
-and replaced.
+to `logs/engine.log`. One run root has at most one service: starts are serialised with a lock
+file, and a state file naming a dead or silent process is stale and replaced.
 
 On N nodes (`service.nnodes`), `start_service` starts this machine's agent and waits until
 the other nodes have joined (`join_service`, `trinity-dagster engine join`) and rank 0,
