@@ -24,8 +24,6 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +114,7 @@ class EngineHost:
             )
         self._status: dict[str, Any] = {}
         self._refresh_status()
-        self._after_reply: list[Callable[[], object]] = []
+        self._prune_due = False  # a publish left superseded weights for after its reply
 
     def _initial_weights(self) -> Path:
         """Version 0 of the weights (created once)."""
@@ -150,14 +148,15 @@ class EngineHost:
         self._refresh_status()
 
     def after_reply(self) -> None:
-        """Housekeeping the last command left for after its reply (rank 0): pruning superseded
-        weights. A failure is logged; the next prune tries again."""
-        tasks, self._after_reply = self._after_reply, []
-        for task in tasks:
-            try:
-                task()
-            except Exception:
-                log.exception("housekeeping after a reply failed")
+        """Housekeeping the last command left for after its reply (rank 0): pruning the
+        weights a publish superseded. A failure is logged; the next prune tries again."""
+        if not self._prune_due:
+            return
+        self._prune_due = False
+        try:
+            prune_published(self.paths, keep=self.config.synchronizer.keep_synced_weights)
+        except Exception:
+            log.exception("pruning superseded weights failed")
 
     def status(self) -> dict[str, Any]:
         """A snapshot of the engine's state, safe to read from any thread.
@@ -415,8 +414,7 @@ class EngineHost:
         if self.rank == 0:
             self._discard_abandoned_publish(step)
             publish_weights(self.paths, step, tensors, self.engine.hf_config, self.engine.hf_dir)
-            keep = self.config.synchronizer.keep_synced_weights
-            self._after_reply.append(partial(prune_published, self.paths, keep=keep))
+            self._prune_due = True
         self.last_sync_step = step
         if self.world_size > 1:
             dist.barrier()
