@@ -358,7 +358,7 @@ def steering(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Steering]:
         engine_log = paths.logs / "engine.log"
         if engine_log.exists():
             shutil.copy(engine_log, ARTIFACTS / "engine.log")
-    deadline = time.monotonic() + 30  # torchrun exits shortly after its stopped worker
+    deadline = time.monotonic() + 30  # the engine exits shortly after it was stopped
     while (left := processes_with_env("DAGSTER_HOME", str(paths.dagster_home))) and (
         time.monotonic() < deadline
     ):
