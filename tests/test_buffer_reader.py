@@ -17,6 +17,7 @@ from trinity_dagster.buffer import (
     unconsumed_count,
     vacuum,
 )
+from trinity_dagster.buffer.reader import StepBatches, rows_of_pin
 from trinity_dagster.paths import RunPaths
 
 
@@ -122,3 +123,32 @@ def test_replay_after_compaction_and_vacuum_is_identical(tmp_path):
     assert not set(result.eids) & set(pinned)
     with pytest.raises(ValueError, match="retention_hours must be >= 0"):
         vacuum(config, retention_hours=-1)
+
+
+def test_rows_of_a_pin_commit_are_the_step_rows_and_anything_else_falls_back(tmp_path):
+    config = buffer_config(
+        tmp_path, train_batch_size=2, sample_strategy="staleness_control", max_staleness=1
+    )
+    writer = ExperienceWriter(config)
+    writer.write([make_row("old", version=0), make_row("mid", version=1)])
+    writer.write([make_row("new1", version=2), make_row("new2", version=2)])
+    writer.write(make_rows("later", 2, version=2))
+    first = pin_batch(config, 1, current_version=2, force=True)  # drops "old" as stale
+    second = pin_batch(config, 2, current_version=2, force=True)
+    assert first.dropped == ["old"] and first.batch_version is not None
+    assert second.batch_version is not None
+    paths = RunPaths.of(config.run_root)
+    scanned = {step: load_step_batch(config, step) for step in (1, 2)}
+    assert scanned[1].column("eid").to_pylist() == ["mid", "new1"]  # the stale row is not trained
+
+    direct = rows_of_pin(paths.batches, 1, first.batch_version)
+    assert direct is not None and direct.equals(scanned[1])
+    assert rows_of_pin(paths.batches, 2, first.batch_version) is None  # step 1's commit
+    assert rows_of_pin(paths.batches, 2, second.batch_version + 5) is None  # no such commit
+    reader = StepBatches(paths)
+    assert reader.load(2, first.batch_version).equals(scanned[2])  # the wrong commit: scanned
+
+    compact(config)
+    vacuum(config, retention_hours=0, enforce_retention_duration=False)
+    assert rows_of_pin(paths.batches, 2, second.batch_version) is None  # its file is gone
+    assert reader.load(2, second.batch_version).equals(scanned[2])

@@ -62,8 +62,8 @@ def test_service_trains_in_order_and_answers_status(service) -> None:
     assert status["step"] == 0 and status["health"] == "ok" and status["world_size"] == 1
     assert stat.S_IMODE(token_path(paths).stat().st_mode) == 0o600
 
-    first = client.train_step(1)
-    assert first["step"] == 1 and not first["already_trained"]
+    first = client.train_step(1, pin_version=1)  # the rows from the file pin commit 1 added
+    assert first["step"] == 1 and not first["already_trained"] and first["batch_size"] > 0
     assert set(first["metrics"]) >= {"actor/pg_loss", "actor/grad_norm", "perf/throughput"}
     again = client.train_step(1)
     assert again["already_trained"] and again["metrics"] == first["metrics"]
@@ -108,6 +108,9 @@ def test_token_is_required_and_wrong_tokens_change_nothing(service) -> None:
     with pytest.raises(EngineError) as bad_json:
         client._call("POST", "/train_step", {"step": 1, "pickle": "x"})
     assert bad_json.value.status == 422
+    with pytest.raises(EngineError) as bad_version:
+        client.train_step(1, pin_version=-1)
+    assert bad_version.value.status == 422 and "pin_version" in str(bad_version.value)
 
 
 def test_non_loopback_bind_needs_the_flag() -> None:

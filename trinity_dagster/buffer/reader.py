@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from trinity_dagster.buffer.schema import EXPERIENCE_NAMES
-from trinity_dagster.buffer.tables import HeldTable, table_dataset
+from trinity_dagster.buffer.schema import EXPERIENCE_NAMES, PIN_STEP_KEY
+from trinity_dagster.buffer.tables import HeldTable, commit_actions, table_dataset
 from trinity_dagster.config import TrinityConfig
-from trinity_dagster.paths import RunPaths
+from trinity_dagster.paths import RunPaths, local_path
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +47,17 @@ class StepBatches:
         self.paths = paths
         self._batches = HeldTable(paths.batches)
 
-    def load(self, step: int) -> pa.Table:
-        """What `load_step_batch` returns."""
+    def load(self, step: int, pin_version: int | None = None) -> pa.Table:
+        """What `load_step_batch` returns.
+
+        `pin_version`, the `batches` commit that pinned the step if the caller knows it, lets
+        the rows come from the files that commit added (one parquet file, no log to read);
+        without it, or if that commit is not the step's pin, the table is scanned.
+        """
+        if pin_version is not None:
+            rows = rows_of_pin(self.paths.batches, step, pin_version)
+            if rows is not None:
+                return rows
         batches = self._batches.get()
         if batches is None:
             raise StepNotPinnedError(
@@ -55,6 +67,41 @@ class StepBatches:
         if rows.num_rows == 0:
             raise StepNotPinnedError(f"step {step} is not pinned in {self.paths.batches}")
         return rows.sort_by("position").select(list(EXPERIENCE_NAMES))
+
+
+def rows_of_pin(location: str | Path, step: int, version: int) -> pa.Table | None:
+    """The train rows of `step` (experience schema, pinned order) read from the files that
+    commit `version` of the `batches` table at `location` added, or None when that commit is
+    not the pin of `step`, is gone, or holds files whose rows the file alone does not give.
+
+    A pin is an append of one commit, and the files it adds are never rewritten in place
+    (compaction writes new ones), so they hold exactly the step's rows.
+    """
+    actions = commit_actions(location, version)
+    if actions is None:
+        return None
+    info: dict[str, Any] = next(
+        (action["commitInfo"] for action in actions if "commitInfo" in action), {}
+    )
+    added = [action["add"] for action in actions if "add" in action]
+    if info.get(PIN_STEP_KEY) != str(step) or not added:
+        return None
+    if any(add.get("deletionVector") for add in added):
+        return None
+    base = local_path(location)
+    needed = [*EXPERIENCE_NAMES, "step", "kind", "position"]
+    parts = []
+    for add in added:
+        try:
+            data = pq.ParquetFile(base / unquote(add["path"]))
+        except FileNotFoundError:
+            return None  # compacted away and vacuumed since
+        if not set(needed) <= set(data.schema_arrow.names):
+            return None  # physical names differ from the logical ones (column mapping)
+        parts.append(data.read(columns=needed))
+    rows = pa.concat_tables(parts)
+    rows = rows.filter(pc.and_(pc.equal(rows["step"], step), pc.equal(rows["kind"], "train")))
+    return rows.sort_by("position").select(list(EXPERIENCE_NAMES))
 
 
 def _step_train_rows(batches: DeltaTable, step: int) -> pa.Table:

@@ -19,7 +19,7 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 
 from trinity_dagster.buffer.quarantine import QuarantineRecord, append_quarantine
 from trinity_dagster.buffer.scan import PendingScan, ScanChunk
-from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_NAMES, TIMESTAMP
+from trinity_dagster.buffer.schema import BATCH_SCHEMA, EXPERIENCE_NAMES, PIN_STEP_KEY, TIMESTAMP
 from trinity_dagster.buffer.state import SamplerState
 from trinity_dagster.buffer.strategies import (
     BASE_COLUMNS,
@@ -38,9 +38,6 @@ from trinity_dagster.buffer.tables import (
 from trinity_dagster.buffer.validation import row_to_json
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
-
-# Commit metadata naming the step a `batches` commit pinned (the lineage ledger reads it).
-PIN_STEP_KEY = "trinity.step"
 
 
 class NotEnoughDataError(RuntimeError):

@@ -45,6 +45,9 @@ BATCH_SCHEMA = pa.schema(
     list(EXPERIENCE_SCHEMA)
     + [pa.field(name, dtype, nullable=nullable) for name, dtype, nullable, _ in BATCH_EXTRA_COLUMNS]
 )
+# Commit metadata naming the step a `batches` commit pinned (the lineage ledger and the
+# engine's batch reader read it).
+PIN_STEP_KEY = "trinity.step"
 
 QUARANTINE_SCHEMA = pa.schema(
     [

@@ -23,8 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 
-from trinity_dagster.buffer.sampler import PIN_STEP_KEY
-from trinity_dagster.buffer.schema import SEQ_SHIFT, seq_floor
+from trinity_dagster.buffer.schema import PIN_STEP_KEY, SEQ_SHIFT, seq_floor
 from trinity_dagster.buffer.tables import (
     add_actions,
     open_or_create,

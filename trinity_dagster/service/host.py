@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ class EngineHost:
 
     def execute(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run one command; rank 0's return value is the reply."""
-        handlers = {
+        handlers: dict[str, Callable[..., dict[str, Any]]] = {
             "train_step": self.train_step,
             "save_checkpoint": self.save_checkpoint,
             "publish_weights": self.publish_weights,
@@ -199,8 +200,9 @@ class EngineHost:
             self._refresh_status()
 
     # --- commands ---------------------------------------------------------------------
-    def train_step(self, step: int) -> dict[str, Any]:
-        """Train step N (see the module docstring for the order rules)."""
+    def train_step(self, step: int, pin_version: int | None = None) -> dict[str, Any]:
+        """Train step N (see the module docstring for the order rules); `pin_version`: the
+        `batches` commit that pinned N, if the caller knows it."""
         current = self.engine.step
         if step <= current:
             record = read_record(self.paths, step)
@@ -211,7 +213,8 @@ class EngineHost:
                 )
             return {**record, "already_trained": True, "replayed": []}
         replayed = self._replay_up_to(step - 1, f"cannot train step {step}")
-        return {**self._train(step), "already_trained": False, "replayed": replayed}
+        trained = self._train(step, pin_version)
+        return {**trained, "already_trained": False, "replayed": replayed}
 
     def save_checkpoint(
         self, step: int, block: bool = True, hf: bool = False, serves_as_sync: bool = False
@@ -369,11 +372,11 @@ class EngineHost:
             record_sync_from_checkpoint(self.paths, step)
         self.last_sync_step = step
 
-    def _train(self, step: int) -> dict[str, Any]:
+    def _train(self, step: int, pin_version: int | None = None) -> dict[str, Any]:
         started_at = time.time()
         started = time.perf_counter()
         try:
-            table = self._batches.load(step)
+            table = self._batches.load(step, pin_version)
         except StepNotPinnedError as err:
             raise BadRequestError(
                 f"{err}; materialize experience_batch for step {step} first"

@@ -85,9 +85,10 @@ class EngineClient:
         """Step, weights version, ranks and health of the service."""
         return self._call("GET", "/status")
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """Train step N (or return its recorded result if already trained)."""
-        return self._call("POST", "/train_step", {"step": step})
+    def train_step(self, step: int, pin_version: int | None = None) -> dict[str, Any]:
+        """Train step N (or return its recorded result if already trained); `pin_version`:
+        the `batches` commit that pinned N, if known."""
+        return self._call("POST", "/train_step", {"step": step, "pin_version": pin_version})
 
     def save_checkpoint(
         self, step: int, *, block: bool = True, hf: bool = False, serves_as_sync: bool = False

@@ -31,9 +31,14 @@ class _Request(BaseModel):
 
 
 class TrainStepRequest(_Request):
-    """Train step N on the rows pinned to N."""
+    """Train step N on the rows pinned to N.
+
+    `pin_version`, the `batches` commit that pinned N when the caller just made it, lets the
+    engine read the rows from the file that commit added instead of scanning the table.
+    """
 
     step: TrainedStep
+    pin_version: Annotated[int, Strict(), Field(ge=0)] | None = None
 
 
 class SaveCheckpointRequest(_Request):

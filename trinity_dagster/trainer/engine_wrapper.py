@@ -140,7 +140,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         return self._last_sync_step
 
     def train_step(self, batch: PinResult) -> dict[str, Any]:
-        record = self._call(lambda c: c.train_step(batch.step), watched=True)
+        record = self._call(lambda c: c.train_step(batch.step, batch.batch_version), watched=True)
         self._step = max(self._step, batch.step)
         return record
 
