@@ -50,8 +50,11 @@ def recorded_steps(paths: RunPaths) -> set[int]:
 def unrecorded_span(paths: RunPaths, first: int, last: int) -> tuple[int, int] | None:
     """The lowest and highest step of first..last without a record, or None if all have one.
 
-    Costs one directory listing plus at most one look-up per record, not one per step.
+    Costs one directory listing plus at most one look-up per record, not one per step, and
+    nothing for an empty range (the next step of a running loop).
     """
+    if first > last:
+        return None
     recorded = recorded_steps(paths)
     low = first
     while low <= last and low in recorded:
