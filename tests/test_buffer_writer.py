@@ -270,3 +270,15 @@ def test_conflicting_commit_is_retried_renumbered_and_revalidated(tmp_path, monk
     rows = _read(RunPaths.of(config.run_root).experiences).sort_by("ingest_seq")
     assert rows.column("eid").to_pylist() == ["first", "rival", "both", "mine"]
     assert rows.column("ingest_seq").to_pylist() == [1 << 32, 2 << 32, (2 << 32) + 1, 3 << 32]
+
+
+def test_long_lived_writers_see_each_others_eids(tmp_path):
+    config = buffer_config(tmp_path)
+    one, two = ExperienceWriter(config), ExperienceWriter(config)
+    assert one.write([make_row("a")]).written == 1
+    assert two.write([make_row("b"), make_row("a")]).written == 1  # "a" is one's
+    assert one.write([make_row("c")]).written == 1
+    for writer, eid in ((one, "b"), (two, "c"), (one, "a"), (two, "b")):
+        report = writer.write([make_row(eid)])
+        assert report.written == 0, eid
+        assert "already in the experiences table" in report.reasons[0].reason

@@ -16,6 +16,7 @@ import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +30,7 @@ from trinity_dagster.buffer.tables import (
     DataFiles,
     HeldTable,
     add_actions,
+    commit_actions,
     retry_commits,
     table_dataset,
     writer_properties,
@@ -82,6 +84,7 @@ class ExperienceWriter:
         self._known_versions = known_versions
         self._eids = EidIndex()
         self._seen_files: set[str] = set()
+        self._seen_version = -1  # the table version whose data files' eids are all indexed
         self._delta = HeldTable(self._paths.experiences, create_with=EXPERIENCE_SCHEMA)
 
     def write(
@@ -126,7 +129,7 @@ class ExperienceWriter:
                 )
                 self._eids.add(valid.column("eid").to_pylist())
                 if delta.version() == version:  # our commit is the newest: its files are ours
-                    self._seen_files.update(add_actions(delta).column("path").to_pylist())
+                    self._seen_own_commit(version)
             outcome.update(problems=problems, written=valid.num_rows, version=version)
 
         retry_commits(attempt, self._max_retries, f"experience write to {self._paths.experiences}")
@@ -161,15 +164,25 @@ class ExperienceWriter:
 
     def _refresh_eids(self, delta: DeltaTable) -> None:
         """Add the eids of data files not read before (compaction rewrites are harmless)."""
-        paths = add_actions(delta).column("path").to_pylist()
-        new = [p for p in paths if p not in self._seen_files]
-        if not new:
+        if delta.version() == self._seen_version:
             return
+        paths = add_actions(delta).column("path").to_pylist()
         files = DataFiles(delta)
-        for path in new:
-            eids = files.open(path).to_table(columns=["eid"]).column("eid")
-            self._eids.add(eids.to_pylist())
-            self._seen_files.add(path)
+        for path in paths:
+            if path not in self._seen_files:
+                eids = files.open(path).to_table(columns=["eid"]).column("eid")
+                self._eids.add(eids.to_pylist())
+                self._seen_files.add(path)
+        self._seen_version = delta.version()
+
+    def _seen_own_commit(self, version: int) -> None:
+        """Note the files of this writer's commit `version` (their eids are indexed already),
+        read from the commit itself rather than from the whole table's file list."""
+        actions = commit_actions(self._paths.experiences, version)
+        if actions is None or self._seen_version != version - 1:
+            return  # the next refresh reads the table's file list
+        self._seen_files.update(unquote(a["add"]["path"]) for a in actions if "add" in a)
+        self._seen_version = version
 
 
 def _text_eids(table: pa.Table) -> list[str]:
