@@ -98,15 +98,18 @@ def generate(
     responses: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool, device=device)
+    unfinished = list(range(batch))  # rows without `<eos>` yet, as `~done` (no tensor reads)
     for step in range(params.max_new_tokens):
         logits = logits.float() / params.temperature
         token = choose_next_tokens(logits, params, generator)
         token_logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-        for row in (~done).nonzero().flatten().tolist():
-            responses[row].append(int(token[row]))
-            logprobs[row].append(float(token_logprob[row]))
+        tokens, token_logprobs = token.tolist(), token_logprob.tolist()
+        for row in unfinished:
+            responses[row].append(tokens[row])
+            logprobs[row].append(token_logprobs[row])
+        unfinished = [row for row in unfinished if tokens[row] != eos_token_id]
         done |= token == eos_token_id
-        if bool(done.all()) or step == params.max_new_tokens - 1:
+        if not unfinished or step == params.max_new_tokens - 1:
             break
         token = token.masked_fill(done, pad_token_id)
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
