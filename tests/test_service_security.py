@@ -126,7 +126,8 @@ def test_only_json_bodies_are_accepted() -> None:
     response, bus = call("POST", "/train_step", headers=plain, content=b'{"step": 1}')
     assert response.status_code == 422 and bus.commands == []
     response, bus = call("POST", "/train_step", headers=AUTH, json={"step": 1})
-    assert response.status_code == 200 and bus.commands == [("train_step", {"step": 1})]
+    assert response.status_code == 200
+    assert bus.commands == [("train_step", {"step": 1, "pin_version": None})]
 
 
 @pytest.mark.parametrize(
