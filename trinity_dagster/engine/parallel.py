@@ -109,9 +109,15 @@ def destroy_distributed() -> None:
         _store_file = None
 
 
+def launched_by_agent() -> bool:
+    """Whether torchrun's agent started this process (it sets WORLD_SIZE); otherwise it runs
+    alone, a single process."""
+    return "WORLD_SIZE" in os.environ
+
+
 def _launch_env() -> tuple[int, int, int]:
     """(world_size, rank, local_rank) from torchrun's environment, or a single process."""
-    if "WORLD_SIZE" not in os.environ:
+    if not launched_by_agent():
         return 1, 0, 0
     try:
         world_size = int(os.environ["WORLD_SIZE"])

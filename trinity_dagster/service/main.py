@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         check_bind_host(config.service.host, config.service.allow_non_loopback)
     refuse_unused_imports()
-    from trinity_dagster.service.host import EngineHost  # torch and megatron-core, after that
+    # torch and megatron-core, only now
+    from trinity_dagster.engine.parallel import launched_by_agent
+    from trinity_dagster.service.host import EngineHost
 
     host = EngineHost(config, paths)
     try:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             pid=os.getpid(),
             pgid=os.getpgid(0),
             # torchrun's agent, or this process when started alone (`launcher.runs_alone`)
-            launcher_pid=os.getppid() if "WORLD_SIZE" in os.environ else os.getpid(),
+            launcher_pid=os.getppid() if launched_by_agent() else os.getpid(),
             host=advertised_host(config.service.host),
             port=server.port,
             world_size=host.world_size,
