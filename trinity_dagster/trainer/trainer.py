@@ -318,10 +318,8 @@ class Trainer:
 
     def _wait_for_rows(self) -> None:
         """Sleep until an explorer wakes the loop or the poll interval passed."""
-        if self._wakeup is None:
-            time.sleep(BATCH_POLL_S)
-        else:
-            self._wakeup.wait(BATCH_POLL_S)
+        assert self._wakeup is not None  # bound by `train`, the only caller's caller
+        self._wakeup.wait(BATCH_POLL_S)
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
         """Train the step `batch` is pinned to; returns its metrics."""
