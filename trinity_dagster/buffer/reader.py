@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -14,7 +13,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from trinity_dagster.buffer.schema import EXPERIENCE_NAMES, PIN_STEP_KEY
-from trinity_dagster.buffer.tables import HeldTable, commit_actions, table_dataset
+from trinity_dagster.buffer.tables import HeldTable, read_commit, table_dataset
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths, local_path
 
@@ -77,23 +76,17 @@ def rows_of_pin(location: str | Path, step: int, version: int) -> pa.Table | Non
     A pin is an append of one commit, and the files it adds are never rewritten in place
     (compaction writes new ones), so they hold exactly the step's rows.
     """
-    actions = commit_actions(location, version)
-    if actions is None:
+    commit = read_commit(location, version)
+    if commit is None or commit.info.get(PIN_STEP_KEY) != str(step) or not commit.added:
         return None
-    info: dict[str, Any] = next(
-        (action["commitInfo"] for action in actions if "commitInfo" in action), {}
-    )
-    added = [action["add"] for action in actions if "add" in action]
-    if info.get(PIN_STEP_KEY) != str(step) or not added:
-        return None
-    if any(add.get("deletionVector") for add in added):
+    if any(add.get("deletionVector") for add in commit.added):
         return None
     base = local_path(location)
     needed = [*EXPERIENCE_NAMES, "step", "kind", "position"]
     parts = []
-    for add in added:
+    for path in commit.added_paths:
         try:
-            data = pq.ParquetFile(base / unquote(add["path"]))
+            data = pq.ParquetFile(base / path)
         except FileNotFoundError:
             return None  # compacted away and vacuumed since
         if not set(needed) <= set(data.schema_arrow.names):

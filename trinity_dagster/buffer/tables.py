@@ -11,8 +11,10 @@ import json
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -100,14 +102,32 @@ def has_commit_after(location: str | Path, version: int | None) -> bool:
     return _commit_file(location, 0 if version is None else version + 1).exists()
 
 
-def commit_actions(location: str | Path, version: int) -> list[dict[str, Any]] | None:
-    """The actions of commit `version` of the Delta table at `location` (`commitInfo`, `add`,
-    ...), or None when its file is gone (log clean-up) or was never written."""
+@dataclass(frozen=True)
+class Commit:
+    """One commit of a Delta table as its log records it: its `commitInfo` (custom metadata
+    included) and the `add` actions of the data files it added."""
+
+    info: dict[str, Any]
+    added: list[dict[str, Any]]
+
+    @property
+    def added_paths(self) -> list[str]:
+        """The added files' paths relative to the table root (the log percent-encodes them)."""
+        return [unquote(add["path"]) for add in self.added]
+
+
+def read_commit(location: str | Path, version: int) -> Commit | None:
+    """Commit `version` of the Delta table at `location`, or None when its file is gone (log
+    clean-up) or was never written."""
     try:
         text = _commit_file(location, version).read_text()
     except FileNotFoundError:
         return None
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    actions = [json.loads(line) for line in text.splitlines() if line.strip()]
+    info: dict[str, Any] = next(
+        (action["commitInfo"] for action in actions if "commitInfo" in action), {}
+    )
+    return Commit(info, [action["add"] for action in actions if "add" in action])
 
 
 def open_or_create(location: str | Path, schema: pa.Schema) -> DeltaTable:

@@ -16,7 +16,6 @@ import datetime as dt
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 import numpy as np
 import pyarrow as pa
@@ -30,7 +29,7 @@ from trinity_dagster.buffer.tables import (
     DataFiles,
     HeldTable,
     add_actions,
-    commit_actions,
+    read_commit,
     retry_commits,
     table_dataset,
     writer_properties,
@@ -178,10 +177,10 @@ class ExperienceWriter:
     def _seen_own_commit(self, version: int) -> None:
         """Note the files of this writer's commit `version` (their eids are indexed already),
         read from the commit itself rather than from the whole table's file list."""
-        actions = commit_actions(self._paths.experiences, version)
-        if actions is None or self._seen_version != version - 1:
+        commit = read_commit(self._paths.experiences, version)
+        if commit is None or self._seen_version != version - 1:
             return  # the next refresh reads the table's file list
-        self._seen_files.update(unquote(a["add"]["path"]) for a in actions if "add" in a)
+        self._seen_files.update(commit.added_paths)
         self._seen_version = version
 
 
