@@ -45,6 +45,7 @@ from trinity_dagster.service_api.records import read_record, recorded_steps
 from trinity_dagster.service_api.state import read_state
 from trinity_dagster.step_keys import step_key
 from trinity_dagster.testing import TINY, merge
+from trinity_dagster.torch_threads import engine_torch_threads
 
 pytestmark = pytest.mark.slow
 
@@ -241,6 +242,8 @@ def test_daemon_trains_to_the_end_unattended(loop: Loop, reference: bytes) -> No
     loop.wait("the trainer to finish", loop.finished)
     loop.check_exactly_once()
     assert final_weights(loop.paths) == reference
+    threads = engine_torch_threads(load_config(loop.config_file), len(os.sched_getaffinity(0)))
+    assert f" {threads} torch thread(s)" in (loop.paths.logs / "engine.log").read_text()
     loop.wait("the run's scores", lambda: scoring_jobs(loop) is not None, timeout_s=120)
     # the explorer's run scored the initial, the SFT and the final weights and checked
     # lineage itself: no run worker started for them

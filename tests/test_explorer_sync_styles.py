@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trinity_dagster.explorer.loop import ExplorerLoop, explorer_torch_threads
+from trinity_dagster.explorer.loop import ExplorerLoop
 from trinity_dagster.testing import tiny_config
 
 
@@ -63,25 +63,3 @@ def test_fully_async_never_waits_and_takes_the_newest(tmp_path: Path) -> None:
     loop._held = 1
     newest.version = 3
     assert loop._wait_for_weights(41) == 3
-
-
-@pytest.mark.parametrize(
-    ("sync", "threads", "expected"),
-    [
-        ({}, None, 8),  # fixed, interval 1, offset 0: it runs only while training waits
-        ({"sync_offset": 1}, None, 4),  # beside a training step: half the cores
-        ({"sync_interval": 2}, None, 4),
-        ({"sync_style": "fully_async"}, None, 4),
-        ({"sync_style": "explorer_driven"}, None, 4),
-        ({"sync_offset": 1}, 3, 3),  # explorer.torch_threads decides when set
-        ({}, 2, 2),
-    ],
-)
-def test_explorer_torch_threads_leave_cores_to_the_engine_it_runs_beside(
-    tmp_path: Path, sync: dict, threads: int | None, expected: int
-) -> None:
-    config, _ = tiny_config(
-        tmp_path, {"synchronizer": sync, "explorer": {"torch_threads": threads}}
-    )
-    assert explorer_torch_threads(config, cores=8) == expected
-    assert explorer_torch_threads(config, cores=1) == (threads or 1)

@@ -377,6 +377,13 @@ class TrainerConfig(_Section):
         ),
     )
     seed: int = 42
+    torch_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads of each engine rank's torch. None: its machine's cores shared "
+        "by the ranks on it, less the built-in explorer's threads when that generates beside "
+        "training on the same machine (see explorer.torch_threads).",
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     sft_warmup_steps: int = Field(
         default=175, ge=0, description="Steps of SFT on demonstrations before RL (demo)."

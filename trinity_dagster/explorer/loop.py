@@ -51,6 +51,7 @@ from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.tasks import load_taskset
+from trinity_dagster.torch_threads import explorer_torch_threads
 from trinity_dagster.weight_sync.announce import announced_version
 
 if TYPE_CHECKING:
@@ -72,17 +73,6 @@ def step_timings(marks: list[float]) -> dict[str, float]:
     names = ("time/wait_weights", "time/generate", "time/write_experiences")
     parts = [b - a for a, b in itertools.pairwise(marks)]
     return dict(zip(names[-len(parts) :], parts, strict=True))
-
-
-def explorer_torch_threads(config: TrinityConfig, cores: int) -> int:
-    """Torch threads for the built-in explorer on a machine with `cores` cores (see
-    `explorer.torch_threads`). Beside a training step on 2 cores, 1 thread made a demo step
-    0.20 s where 2 made it 0.24 s (`bench peer`)."""
-    if config.explorer.torch_threads is not None:
-        return config.explorer.torch_threads
-    sync = config.synchronizer
-    alone = sync.sync_style is SyncStyle.FIXED and sync.sync_interval == 1 and not sync.sync_offset
-    return cores if alone else max(1, cores // 2)
 
 
 def explorer_threads_here(config: TrinityConfig) -> int:

@@ -30,6 +30,7 @@ from trinity_dagster.service_api.state import (
     read_token,
     write_state,
 )
+from trinity_dagster.torch_threads import engine_torch_threads
 
 log = logging.getLogger("trinity_dagster.service")
 
@@ -61,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         check_bind_host(config.service.host, config.service.allow_non_loopback)
     refuse_unused_imports()
     # torch and megatron-core, only now
+    import torch
+
     from trinity_dagster.engine.parallel import launched_by_agent
     from trinity_dagster.service.host import EngineHost
 
+    threads = engine_torch_threads(config, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
+    log.info("%d torch thread(s) (trainer.torch_threads)", threads)
     host = EngineHost(config, paths)
     try:
         if rank != 0:
