@@ -1,7 +1,8 @@
 """`Trainer`: Trinity-RFT's trainer loop over a `TrainEngineWrapper`, the one loop of this project.
 
 `train()` repeats: sample the next batch (waiting for explorers, and serving their sync
-requests meanwhile), train it, sync the weights to explorers when due, save a checkpoint when
+requests meanwhile; pinned while the previous step trained when its rows were already there,
+`pin_ahead.py`), train it, sync the weights to explorers when due, save a checkpoint when
 due (in the background; a save at a sync step serves as the sync under sync_method
 `checkpoint`), report the step to the hook. It stops at `trainer.total_steps`, or early when
 no more data will come (an explorer marked the end of data, or nothing new arrived for
@@ -49,6 +50,7 @@ from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
 from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
+from trinity_dagster.trainer.pin_ahead import PinAhead
 from trinity_dagster.trainer.preview import TABLE as PREVIEW_TABLE
 from trinity_dagster.trainer.preview import RolloutPreview
 from trinity_dagster.trainer.sample_metrics import sample_metrics
@@ -124,6 +126,7 @@ class Trainer:
         self.engine = engine if engine is not None else get_trainer_wrapper(config)
         self.hook = hook or TrainerHook()
         self._pinner = BatchPinner(config)
+        self._pin_ahead = PinAhead(self._pinner, self.paths.experiences)
         self.total_steps = config.trainer.total_steps
         self.save_interval = config.trainer.save_interval
         self.save_hf_checkpoint = config.trainer.save_hf_checkpoint
@@ -199,6 +202,7 @@ class Trainer:
                 control.answer(self.paths, self._halt, ok=False, message=failed)
             raise
         finally:
+            self._pin_ahead.take(None)  # no commit left in flight
             self._wakeup.close()
         log.info("trainer stopped at step %d: %s", self.train_step_num, reason)
         return reason
@@ -233,6 +237,8 @@ class Trainer:
             metrics.update(self._wait_metrics)
             self._wait_metrics = {}
             metrics.update(sample_metrics(self.paths, batch))
+            if end is None or step < end:
+                self._pin_ahead.start(step + 1, batch.source_version)
             metrics.update(await self.train_step(batch))
             metrics.update(await self._finish_step(final=step == self.total_steps))
             metrics["time/step"] = time.perf_counter() - started
@@ -288,6 +294,9 @@ class Trainer:
         requests.
         """
         step = self.train_step_num + 1
+        ahead = self._pin_ahead.take(step)
+        if ahead is not None:
+            return ahead
         result = self._pinner.pin(step)
         if isinstance(result, PinResult):
             return result
@@ -412,6 +421,7 @@ class Trainer:
         """Release the engine connection (the engine service keeps running until idle) and
         close the tracking backends."""
         try:
+            self._pin_ahead.close()
             self.engine.close()
         finally:
             self.monitor.close()
