@@ -1,7 +1,7 @@
 """`Trainer`: Trinity-RFT's trainer loop over a `TrainEngineWrapper`, the one loop of this project.
 
 `train()` repeats: sample the next batch (waiting for explorers, and serving their sync
-requests meanwhile; pinned while the previous step trained when its rows were already there,
+requests meanwhile; pinned while the previous step trained if its rows landed by then,
 `pin_ahead.py`), train it, sync the weights to explorers when due, save a checkpoint when
 due (in the background; a save at a sync step serves as the sync under sync_method
 `checkpoint`), report the step to the hook. It stops at `trainer.total_steps`, or early when
