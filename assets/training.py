@@ -22,7 +22,6 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from assets.event_thread import EventThread
 from assets.lineage import (
     INPUT_DATA_VERSION_TAG,
     batch_data_version,
@@ -45,6 +44,7 @@ from trinity_dagster.checkpoint.layout import latest_weights_version
 from trinity_dagster.graph_names import BATCH, SYNCED, TRAIN
 from trinity_dagster.lineage.queries import counts_by
 from trinity_dagster.monitor.base import markdown_table
+from trinity_dagster.monitor.event_thread import EventThread
 from trinity_dagster.service_api.records import read_record
 from trinity_dagster.step_checks import kl_within_bound, loss_is_finite
 from trinity_dagster.trainer import SyncWithheldError, Trainer, TrainerHook
@@ -59,14 +59,11 @@ def batch_table(run_config: RunConfigResource, step: int, pinned: PinResult) -> 
     return pinned.rows if pinned.rows is not None else load_step_batch(run_config.config, step)
 
 
-def batch_metadata(
-    run_config: RunConfigResource, table: pa.Table, pinned: PinResult
-) -> dict[str, Any]:
+def batch_metadata(table: pa.Table, pinned: PinResult, current: int) -> dict[str, Any]:
     """Size, reward statistics, source table version and staleness of a step's batch (`table`,
-    its train rows)."""
+    its train rows) against `current`, the newest published weights version."""
     rewards = table.column("reward")
     versions = table.column("model_version")
-    current = latest_weights_version(run_config.paths) or 0
     return {
         "batch_size": table.num_rows,
         "groups": len(pc.unique(table.column("group_id"))),
@@ -98,8 +95,10 @@ def train_metadata(record: dict[str, Any], metrics: dict[str, Any], **flags: Any
 class DagsterTrainerHook(TrainerHook):
     """Logs each step the loop finished: its batch, its training and checks, its sync.
 
-    The events are logged from a thread beside the loop (`EventThread`), in order; `flush`
-    waits for them, and the loop flushes before it records how training ended.
+    The events are built and logged on a thread beside the loop (`EventThread`), in order;
+    the loop's thread only takes what may change by the next step (the published weights
+    version, the preview). `flush` waits for them, and the loop flushes before it records
+    how training ended.
     """
 
     def __init__(self, context: dg.AssetExecutionContext, run_config: RunConfigResource) -> None:
@@ -118,12 +117,12 @@ class DagsterTrainerHook(TrainerHook):
     ) -> None:
         """Log the materialisation of step N's partition of `asset` (added if new)."""
         event = step_materialization(asset, step, metadata, tags)
+        self.events.submit(functools.partial(self._log_now, step, event))
 
-        def log() -> None:
-            self.partitions.ensure(step)
-            self.context.log_event(event)
-
-        self.events.submit(log)
+    def _log_now(self, step: int, event: dg.AssetMaterialization) -> None:
+        """Log `event` of step N's partition (added if new), on the event thread."""
+        self.partitions.ensure(step)
+        self.context.log_event(event)
 
     def flush(self) -> None:
         self.events.flush()
@@ -133,33 +132,46 @@ class DagsterTrainerHook(TrainerHook):
         self.events.close()
 
     def on_batch(self, step: int, batch: PinResult) -> None:
-        table = batch_table(self.run_config, step, batch)
-        digest = batch_data_version(batch.eids)
-        metadata = batch_metadata(self.run_config, table, batch)
-        self.log(BATCH, step, metadata, data_version(digest))
-        self.upstream = (
-            step,
-            digest,
-            step_upstream(step, counts_by(table, "model_version"), batch.batch_version),
-        )
+        current = latest_weights_version(self.run_config.paths) or 0
+
+        def log() -> None:
+            table = batch_table(self.run_config, step, batch)
+            digest = batch_data_version(batch.eids)
+            self.upstream = (
+                step,
+                digest,
+                step_upstream(step, counts_by(table, "model_version"), batch.batch_version),
+            )
+            metadata = batch_metadata(table, batch, current)
+            self._log_now(step, step_materialization(BATCH, step, metadata, data_version(digest)))
+
+        self.events.submit(log)
 
     def on_step(self, step: int, record: dict[str, Any], metrics: dict[str, Any]) -> None:
         if record.get("already_trained") and step_key(step) in self.recorded:
             return  # logged by the run that trained it
-        at, digest, upstream = self.upstream or (None, None, {})
-        tags = {INPUT_DATA_VERSION_TAG.format(BATCH): digest} if at == step and digest else None
-        metadata = train_metadata(
-            record,
-            metrics,
-            **self.check(step, record["metrics"]),
-            **(upstream if at == step else step_upstream(step)),
-            weights_version=latest_weights_version(self.run_config.paths) or 0,
-            synced=step in self.synced,
-            saved="time/save_checkpoint" in metrics,
-        )
-        if self.preview is not None and self.preview[0] == step:
-            metadata[PREVIEW_TABLE] = dg.MetadataValue.md(markdown_table(self.preview[1]))
-        self.log(TRAIN, step, metadata, tags)
+        flags = {
+            "weights_version": latest_weights_version(self.run_config.paths) or 0,
+            "synced": step in self.synced,
+            "saved": "time/save_checkpoint" in metrics,
+        }
+        preview = self.preview[1] if self.preview is not None and self.preview[0] == step else None
+
+        def log() -> None:  # after on_batch's, which set `upstream`
+            at, digest, upstream = self.upstream or (None, None, {})
+            tags = {INPUT_DATA_VERSION_TAG.format(BATCH): digest} if at == step and digest else None
+            metadata = train_metadata(
+                record,
+                metrics,
+                **self.check(step, record["metrics"]),
+                **(upstream if at == step else step_upstream(step)),
+                **flags,
+            )
+            if preview is not None:
+                metadata[PREVIEW_TABLE] = dg.MetadataValue.md(markdown_table(preview))
+            self._log_now(step, step_materialization(TRAIN, step, metadata, tags))
+
+        self.events.submit(log)
 
     def on_preview(self, step: int, rows: list[dict[str, Any]]) -> None:
         self.preview = (step, rows)
@@ -170,7 +182,8 @@ class DagsterTrainerHook(TrainerHook):
 
     def check(self, step: int, metrics: dict[str, Any]) -> dict[str, str]:
         """Log step N's results of the blocking health checks (an evaluation each, naming the
-        step); returns them as `check/<name>` metadata, which the step's partition page shows.
+        step), on the event thread; returns them as `check/<name>` metadata, which the step's
+        partition page shows.
 
         The checks are not partitioned: the UI computes a partitioned check's status of every
         partition on each view (1.6 s at 1,000 steps, growing with the steps, `bench scale`),
@@ -189,7 +202,7 @@ class DagsterTrainerHook(TrainerHook):
                 metadata={"reason": reason, "step": step},
                 blocking=True,
             )
-            self.events.submit(functools.partial(self.context.log_event, evaluation))
+            self.context.log_event(evaluation)
         return {
             f"check/{name}": "passed" if ok else f"failed: {reason}"
             for name, (ok, reason) in results.items()
@@ -202,12 +215,16 @@ class DagsterTrainerHook(TrainerHook):
             if record is None:
                 return
             if step_key(step) not in self.recorded:
-                checks = self.check(step, record["metrics"])
-                metadata = train_metadata(
-                    record, record["metrics"], **checks, **step_upstream(step), recovered=True
-                )
-                self.log(TRAIN, step, metadata)
+                self.events.submit(functools.partial(self._log_recovered, step, record))
                 self.recorded.add(step_key(step))
+
+    def _log_recovered(self, step: int, record: dict[str, Any]) -> None:
+        """Log step N's checks and training from its engine record, on the event thread."""
+        checks = self.check(step, record["metrics"])
+        metadata = train_metadata(
+            record, record["metrics"], **checks, **step_upstream(step), recovered=True
+        )
+        self._log_now(step, step_materialization(TRAIN, step, metadata))
 
 
 def sync_metadata(info: dict[str, Any]) -> dict[str, Any]:
@@ -261,7 +278,8 @@ def train(
             pinned = pin_batch(run_config.config, step)
             if isinstance(pinned, PinShortfall):
                 raise dg.Failure(f"not enough experiences for step {step}: {pinned.message}")
-            metadata = batch_metadata(run_config, batch_table(run_config, step, pinned), pinned)
+            current = latest_weights_version(run_config.paths) or 0
+            metadata = batch_metadata(batch_table(run_config, step, pinned), pinned, current)
             digest = data_version(batch_data_version(pinned.eids))
             context.log_event(step_materialization(BATCH, step, metadata, digest))
     yield from ()  # each step and its checks were logged as the step finished

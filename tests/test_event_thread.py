@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from assets.event_thread import EventThread
+from trinity_dagster.monitor.event_thread import EventThread
 
 
 def test_events_run_in_order_on_another_thread_and_flush_waits_for_them() -> None:

@@ -1,9 +1,10 @@
-"""Logging a run's Dagster events from one thread beside the code that produces them.
+"""Logging from one thread beside the loop that produces what is logged.
 
-Each event costs the trainer loop a few milliseconds of SQLite writes (five per step); the
-loop hands them to `EventThread` and goes on to its next step. Events are logged in the
-order handed over. A failure to log is raised to the producer at its next hand-over or at
-`flush`, so a run whose events cannot be stored still fails with the cause.
+A step's Dagster events cost the trainer loop a few milliseconds of SQLite writes (five per
+step), and its metrics a flush of each tracking backend's files; the loop hands them to an
+`EventThread` and goes on to its next step. They are logged in the order handed over. A
+failure to log is raised to the producer at its next hand-over or at `flush`, so a run whose
+events or metrics cannot be stored still fails with the cause.
 """
 
 import queue
@@ -16,8 +17,9 @@ _STOP = None
 class EventThread:
     """Runs the callables handed to it, one at a time, in order, on one daemon thread."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, what: str = "logging a Dagster event") -> None:
         self._name = name
+        self._what = what  # what the callables do, for the error raised to the producer
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -49,7 +51,7 @@ class EventThread:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"logging a Dagster event failed: {error}") from error
+            raise RuntimeError(f"{self._what} failed: {error}") from error
 
     def _work(self) -> None:
         while (log := self._queue.get()) is not _STOP:
