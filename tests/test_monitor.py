@@ -28,6 +28,7 @@ from tests.test_trainer_loop import FakeEngine, RecordingHook
 from trinity_dagster.buffer.reader import load_step_batch
 from trinity_dagster.checkpoint.layout import HF_SUBDIR, checkpoint_dir
 from trinity_dagster.config import ConfigError, TrinityConfig, config_from_dict
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.monitor import Monitor, MonitorError, MonitorGroup
 from trinity_dagster.monitor.base import markdown_table
 from trinity_dagster.paths import RunPaths
@@ -366,6 +367,29 @@ def test_a_failing_backend_is_named_and_the_others_are_still_closed() -> None:
     with pytest.raises(MonitorError, match="failed to close"):
         group.close()
     assert first.closed and second.closed
+
+
+class FailingMetrics(Failing):
+    """Takes the rollout preview, fails at the metrics."""
+
+    def log_table(self, name: str, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        pass
+
+
+def test_a_backend_failing_during_training_fails_the_loop_naming_it(tmp_path: Path) -> None:
+    """The metrics are logged beside the loop; a failure still ends training with its cause."""
+    config = monitored_config(tmp_path, [], total_steps=3)
+    fill_buffer(config, 3)
+    trainer = Trainer(config, engine=FakeEngine())
+    asyncio.run(trainer.prepare())
+    trainer.monitor = MonitorGroup({"first": FailingMetrics()})
+
+    with pytest.raises(RuntimeError, match=r"tracking backends failed: .*'first'.*disk full"):
+        asyncio.run(trainer.train())
+    with pytest.raises(MonitorError, match="failed to close"):
+        asyncio.run(trainer.shutdown())
+    state = read_trainer_state(RunPaths.of(config.run_root))
+    assert state is not None and state.state == "failed" and "disk full" in state.reason
 
 
 def test_a_real_run_logs_every_step_and_the_final_model(tmp_path: Path) -> None:

@@ -17,13 +17,14 @@ waits for data, the loop serves the control requests of Dagster runs
 (`trinity_dagster.handoff.control`): save or sync now (or when it reaches the asked step),
 pause (end after the current step and its due saves, the engine left at that step) and stop
 (end now with the final save, as a normal end of training). After the hook, each step's metrics
-also go to the tracking backends of `monitor.backends` (`trinity_dagster.monitor`), and the
-final save's HF export to those that keep models (MLflow).
+also go to the tracking backends of `monitor.backends` (`trinity_dagster.monitor`), from a
+thread beside the loop, and the final save's HF export to those that keep models (MLflow).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -48,6 +49,7 @@ from trinity_dagster.handoff.sync_requests import SyncRequest, answer_requests, 
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
 from trinity_dagster.monitor import MonitorGroup, open_monitor
+from trinity_dagster.monitor.event_thread import EventThread
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.trainer.engine_wrapper import TrainEngineWrapper, get_trainer_wrapper
 from trinity_dagster.trainer.pin_ahead import PinAhead
@@ -138,6 +140,7 @@ class Trainer:
         self._wakeup: Wakeup | None = None  # bound while the loop waits for data
         self.preview = RolloutPreview(self.paths) if config.trainer.enable_preview else None
         self.monitor = MonitorGroup({})  # the tracking backends, started by prepare()
+        self._metrics_log = EventThread("metrics", "logging metrics to the tracking backends")
 
     @property
     def train_step_num(self) -> int:
@@ -181,6 +184,7 @@ class Trainer:
         try:
             reason, final = await self._loop(end)
             self.hook.flush()
+            self._metrics_log.flush()
             if final:
                 self.finish(reason)
             elif self._halt is not None or control.paused_by(self.paths) is not None:
@@ -194,6 +198,8 @@ class Trainer:
         except Exception as err:  # an interrupted loop (killed, cancelled) resumes: no state
             with contextlib.suppress(Exception):  # the steps before the failure stay recorded
                 self.hook.flush()
+            with contextlib.suppress(Exception):
+                self._metrics_log.flush()
             why = f"{type(err).__name__}: {err}"
             write_trainer_state(self.paths, "failed", self.train_step_num, why)
             failed = f"training failed at step {self.train_step_num}: {why}"
@@ -247,7 +253,7 @@ class Trainer:
             self.hook.on_batch(step, batch)
             self._log_preview(batch)
             self.hook.on_step(step, self._last_record, metrics)
-            self.monitor.log(step, metrics)
+            self._metrics_log.submit(functools.partial(self.monitor.log, step, metrics))
         if end is not None and end == self.total_steps:
             return f"trained all {end} steps (trainer.total_steps)", True
         return f"trained up to step {end}, the end of the requested range", False
@@ -259,7 +265,9 @@ class Trainer:
         self.preview.add(batch)
         if batch.step % self.config.synchronizer.sync_interval == 0:
             rows = self.preview.take()
-            self.monitor.log_table(PREVIEW_TABLE, batch.step, rows)
+            self._metrics_log.submit(
+                functools.partial(self.monitor.log_table, PREVIEW_TABLE, batch.step, rows)
+            )
             self.hook.on_preview(batch.step, rows)
 
     async def _finish_step(self, *, final: bool) -> dict[str, Any]:
@@ -424,7 +432,10 @@ class Trainer:
             self._pin_ahead.close()
             self.engine.close()
         finally:
-            self.monitor.close()
+            try:
+                self._metrics_log.close()
+            finally:
+                self.monitor.close()
 
     def _publish_final_weights(self) -> None:
         """Under sync_method `memory` or `nccl`, also publish the final weights on disk, synced
