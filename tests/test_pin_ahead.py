@@ -12,6 +12,8 @@ from deltalake import DeltaTable
 
 from tests.support.trainer_loop import FakeEngine, loop_config
 from trinity_dagster.buffer.sampler import BatchPinner, PinResult
+from trinity_dagster.handoff import control
+from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.testing import fill_buffer
 from trinity_dagster.trainer import Trainer
@@ -105,3 +107,34 @@ def test_the_next_batch_is_pinned_while_a_step_trains(tmp_path: Path) -> None:
     assert engine.batches == pinned  # each step trained the rows pinned for it
     eids = [eid for step in pinned.values() for eid in step]
     assert len(eids) == len(set(eids))
+
+
+class PausingEngine(ExplorerAheadEngine):
+    """`ExplorerAheadEngine` that asks the loop to pause while it trains step 2."""
+
+    def train_step(self, batch: PinResult) -> dict[str, Any]:
+        result = super().train_step(batch)  # step 3 is pinned ahead by now
+        if batch.step == 2:
+            control.submit_request(self.paths, "run-a.pause.now", "pause")
+        return result
+
+
+def test_a_pause_after_a_pin_ahead_leaves_it_for_the_next_run(tmp_path: Path) -> None:
+    config = loop_config(tmp_path, total_steps=4)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 1, seed=1)
+    engine = PausingEngine(config, paths)
+
+    reason = asyncio.run(Trainer(config, engine=engine).run())
+
+    assert reason == "paused by request run-a.pause.now at step 2", reason
+    state = read_trainer_state(paths)
+    assert state is not None and state.state == "paused" and state.step == 2
+    ahead = pinned_steps(paths)[3]  # pinned, not trained
+    assert sorted(engine.batches) == [1, 2]
+
+    control.clear_paused(paths)
+    reason = asyncio.run(Trainer(config, engine=engine).run())
+    assert reason.startswith("trained all 4 steps"), reason
+    assert engine.batches[3] == ahead  # the next run trained the rows pinned ahead
+    assert engine.batches == pinned_steps(paths)
