@@ -90,13 +90,20 @@ class ExplorerAheadEngine(FakeEngine):
         return super().train_step(batch)
 
 
-def test_the_next_batch_is_pinned_while_a_step_trains(tmp_path: Path) -> None:
+def run_ahead(
+    tmp_path: Path, engine_type: type[ExplorerAheadEngine]
+) -> tuple[RunPaths, ExplorerAheadEngine, str]:
+    """A 4-step loop over `engine_type` from one step's rows: the run's paths, the engine
+    and why the loop stopped."""
     config = loop_config(tmp_path, total_steps=4)
     paths = RunPaths.of(config.run_root)
     fill_buffer(config, 1, seed=1)
-    engine = ExplorerAheadEngine(config, paths)
+    engine = engine_type(config, paths)
+    return paths, engine, asyncio.run(Trainer(config, engine=engine).run())
 
-    reason = asyncio.run(Trainer(config, engine=engine).run())
+
+def test_the_next_batch_is_pinned_while_a_step_trains(tmp_path: Path) -> None:
+    paths, engine, reason = run_ahead(tmp_path, ExplorerAheadEngine)
 
     assert reason.startswith("trained all 4 steps"), reason
     # steps 2-4 were pinned during the step before; nothing past the last step, whose rows
@@ -120,12 +127,7 @@ class PausingEngine(ExplorerAheadEngine):
 
 
 def test_a_pause_after_a_pin_ahead_leaves_it_for_the_next_run(tmp_path: Path) -> None:
-    config = loop_config(tmp_path, total_steps=4)
-    paths = RunPaths.of(config.run_root)
-    fill_buffer(config, 1, seed=1)
-    engine = PausingEngine(config, paths)
-
-    reason = asyncio.run(Trainer(config, engine=engine).run())
+    paths, engine, reason = run_ahead(tmp_path, PausingEngine)
 
     assert reason == "paused by request run-a.pause.now at step 2", reason
     state = read_trainer_state(paths)
@@ -134,7 +136,7 @@ def test_a_pause_after_a_pin_ahead_leaves_it_for_the_next_run(tmp_path: Path) ->
     assert sorted(engine.batches) == [1, 2]
 
     control.clear_paused(paths)
-    reason = asyncio.run(Trainer(config, engine=engine).run())
+    reason = asyncio.run(Trainer(engine.config, engine=engine).run())
     assert reason.startswith("trained all 4 steps"), reason
     assert engine.batches[3] == ahead  # the next run trained the rows pinned ahead
     assert engine.batches == pinned_steps(paths)
