@@ -12,7 +12,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import DeltaProtocolError
 
-from trinity_dagster.buffer.tables import open_or_create, table_dataset
+from trinity_dagster.buffer.tables import open_or_create, read_commit, table_dataset
 
 
 def test_new_tables_checkpoint_their_log_every_ten_commits(tmp_path: Path) -> None:
@@ -53,3 +53,13 @@ def test_a_table_with_deletion_vectors_is_refused_naming_the_feature(tmp_path: P
     )
     with pytest.raises(DeltaProtocolError, match="deletionVectors"):
         table_dataset(table)
+
+
+def test_a_commit_whose_values_hold_unicode_line_breaks_is_read_whole(tmp_path: Path) -> None:
+    path = tmp_path / "table"
+    rows = pa.table({"eid": pa.array(["a\x85b", "c\u2028d\u2029e"])})
+    open_or_create(path, rows.schema)
+    write_deltalake(str(path), rows, mode="append")  # stats hold the values unescaped
+    commit = read_commit(path, 1)
+    assert commit is not None and len(commit.added_paths) == 1
+    assert ds.dataset(str(path / commit.added_paths[0])).to_table().equals(rows)

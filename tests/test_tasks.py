@@ -97,6 +97,13 @@ def test_jsonl_taskset_reads_ids_and_defaults(tmp_path: Path) -> None:
     ]
 
 
+def test_a_task_whose_text_holds_unicode_line_breaks_is_one_line(tmp_path: Path) -> None:
+    prompt = "one\x85two\u2028three="
+    line = json.dumps({"task_id": "a", "prompt": prompt, "answer": "3"}, ensure_ascii=False)
+    taskset = load_taskset(str(write_lines(tmp_path, [line])), seed=0)
+    assert [(t.task_id, t.prompt) for t in taskset] == [("a", prompt)]
+
+
 @pytest.mark.parametrize(
     ("lines", "message"),
     [

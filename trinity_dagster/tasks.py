@@ -164,7 +164,8 @@ def load_jsonl_taskset(path: str | Path) -> TaskSet:
         raise TaskSetError(f"task file not found: {file}")
     tasks: list[Task] = []
     first_line: dict[str, int] = {}
-    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    # lines end at "\n" only: a task's text may hold other line breaks (U+0085, U+2028)
+    for number, line in enumerate(file.read_text(encoding="utf-8").split("\n"), start=1):
         if not line.strip():
             continue
         task = _parse_task_line(line, f"{file}:{number}", default_id=f"{file.stem}-{number}")

@@ -120,10 +120,11 @@ def read_commit(location: str | Path, version: int) -> Commit | None:
     """Commit `version` of the Delta table at `location`, or None when its file is gone (log
     clean-up) or was never written."""
     try:
-        text = _commit_file(location, version).read_text()
+        text = _commit_file(location, version).read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
-    actions = [json.loads(line) for line in text.splitlines() if line.strip()]
+    # one action a line, split at "\n" only: values may hold other line breaks (U+0085, U+2028)
+    actions = [json.loads(line) for line in text.split("\n") if line.strip()]
     info: dict[str, Any] = next(
         (action["commitInfo"] for action in actions if "commitInfo" in action), {}
     )
