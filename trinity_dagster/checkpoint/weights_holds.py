@@ -31,7 +31,7 @@ def hold_weights(paths: RunPaths, version: int) -> Iterator[None]:
     """Keep weights `version` from being pruned while the block runs."""
     path = _holds_dir(paths) / f"{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
     record = {"version": version, "pid": os.getpid(), "host": socket.gethostname()}
-    write_text_atomic(path, json.dumps(record))
+    write_text_atomic(path, json.dumps(record), fsync=False)  # a hold ends with its process
     try:
         yield
     finally:

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trinity_dagster.files import write_text_atomic
+from trinity_dagster.files import BackgroundFsync, write_text_atomic
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
 
@@ -33,9 +33,15 @@ def read_record(paths: RunPaths, step: int) -> dict[str, Any] | None:
         return None
 
 
-def write_record(paths: RunPaths, record: dict[str, Any]) -> None:
-    """Write (atomically) the record of `record["step"]`."""
-    write_text_atomic(record_path(paths, record["step"]), json.dumps(record, indent=1))
+def write_record(
+    paths: RunPaths, record: dict[str, Any], flush: BackgroundFsync | None = None
+) -> None:
+    """Write (atomically) the record of `record["step"]`; with `flush`, it is flushed to disk
+    there, after this returns, rather than before."""
+    path = record_path(paths, record["step"])
+    write_text_atomic(path, json.dumps(record, indent=1), fsync=flush is None)
+    if flush is not None:
+        flush.add(path, path.parent)
 
 
 def recorded_steps(paths: RunPaths) -> set[int]:
