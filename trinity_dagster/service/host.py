@@ -17,6 +17,8 @@ Training a step does not save or sync: the trainer loop (`trinity_dagster.traine
 decides that and sends `save_checkpoint` and `publish_weights` for the step the engine is at.
 A step's record lists the health problems (`step_checks`) that keep its weights from
 explorers; `publish_weights` refuses such a step, and so does a save that would serve as the sync.
+A record is renamed into place before the reply and flushed to disk on a thread of its own
+while the next command runs; a checkpoint is saved only once every record before it is on disk.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +70,7 @@ from trinity_dagster.checkpoint.shm_weights import (
 from trinity_dagster.config import SyncMethod, TrinityConfig
 from trinity_dagster.engine.batch_check import BatchError
 from trinity_dagster.engine.engine import TrainEngine
+from trinity_dagster.files import BackgroundFsync
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.progress import install_progress_hooks
 from trinity_dagster.service_api.protocol import BadRequestError, StepConflictError
@@ -116,6 +120,9 @@ class EngineHost:
         self._status: dict[str, Any] = {}
         self._refresh_status()
         self._prune_due = False  # a publish left superseded weights for after its reply
+        self._pruner = ThreadPoolExecutor(1, thread_name_prefix="weights-prune")
+        self._prune: Future[None] | None = None
+        self._record_flush = BackgroundFsync("record-fsync")
 
     def _initial_weights(self) -> Path:
         """Version 0 of the weights (created once)."""
@@ -150,10 +157,15 @@ class EngineHost:
 
     def after_reply(self) -> None:
         """Housekeeping the last command left for after its reply (rank 0): pruning the
-        weights a publish superseded. A failure is logged; the next prune tries again."""
-        if not self._prune_due:
+        weights a publish superseded, on a thread of its own while the next commands run (a
+        prune still running leaves this one for the next reply)."""
+        if not self._prune_due or (self._prune is not None and not self._prune.done()):
             return
         self._prune_due = False
+        self._prune = self._pruner.submit(self._prune_published)
+
+    def _prune_published(self) -> None:
+        """Prune superseded weights; a failure is logged and the next prune tries again."""
         try:
             prune_published(self.paths, keep=self.config.synchronizer.keep_synced_weights)
         except Exception:
@@ -176,12 +188,16 @@ class EngineHost:
         try:
             self.checkpoints.wait_all()
         finally:
-            self.engine.close()
-            if self.rank == 0 and self._memory_sync():
-                remove_shm_dir(self.paths)
-            if self.weight_sender is not None:
-                announce.withdraw(self.paths)
-                self.weight_sender.close()
+            try:
+                self._pruner.shutdown()
+                self._record_flush.close()
+            finally:
+                self.engine.close()
+                if self.rank == 0 and self._memory_sync():
+                    remove_shm_dir(self.paths)
+                if self.weight_sender is not None:
+                    announce.withdraw(self.paths)
+                    self.weight_sender.close()
 
     def execute(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run one command; rank 0's return value is the reply."""
@@ -404,10 +420,11 @@ class EngineHost:
             "trained_at": time.time(),
         }
         if self.rank == 0:
-            write_record(self.paths, record)
+            write_record(self.paths, record, self._record_flush)
         return record
 
     def _save(self, step: int, *, hf: bool, block: bool, serves_as_sync: bool) -> None:
+        self._record_flush.wait()  # the records up to this step reach the disk before it
         state = sampler_state(self.config, step).to_dict()
         self.checkpoints.save(
             step, sampler_state=state, hf=hf, block=block, serves_as_sync=serves_as_sync

@@ -106,6 +106,7 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         self.config = config
         self.autostart = autostart
         self._client: EngineClient | None = None
+        self._call_pool: ThreadPoolExecutor | None = None  # the thread of watched calls
         self._step = 0
         self._last_sync_step = 0
         self._started = False
@@ -203,6 +204,9 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._call_pool is not None:
+            self._call_pool.shutdown()
+            self._call_pool = None
 
     def _connected(self, *, autostart: bool) -> EngineClient:
         if self._client is None:
@@ -225,13 +229,14 @@ class ServiceEngineWrapper(TrainEngineWrapper):
         """`call(client)`, while checking every few seconds that the service makes progress;
         a hung service is killed, so that the call fails with `EngineUnreachable`."""
         every_s = min(5.0, self.progress_timeout_s / 4)
-        with ThreadPoolExecutor(1, thread_name_prefix="engine-call") as pool:
-            future = pool.submit(call, client)
-            while True:
-                try:
-                    return future.result(timeout=every_s)
-                except FutureTimeout:
-                    self._kill_if_hung()
+        if self._call_pool is None:
+            self._call_pool = ThreadPoolExecutor(1, thread_name_prefix="engine-call")
+        future = self._call_pool.submit(call, client)
+        while True:
+            try:
+                return future.result(timeout=every_s)
+            except FutureTimeout:
+                self._kill_if_hung()
 
     def _kill_if_hung(self) -> None:
         """SIGKILL the run's service if it is silent or its train step makes no progress."""
