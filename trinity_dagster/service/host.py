@@ -432,6 +432,8 @@ class EngineHost:
 
     def _publish(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         if self.rank == 0:
+            if self._prune is not None:
+                self._prune.result()  # it may remove temp directories of older versions
             self._discard_abandoned_publish(step)
             publish_weights(self.paths, step, tensors, self.engine.hf_config, self.engine.hf_dir)
             self._prune_due = True
