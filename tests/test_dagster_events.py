@@ -45,3 +45,20 @@ def test_only_the_most_recently_used_databases_stay_open(tmp_path: Path) -> None
     assert len(still_open) <= MAX_OPEN_DATABASES
     storage.dispose()
     assert not open_databases(tmp_path)
+
+
+def test_a_table_found_once_is_not_looked_up_again(tmp_path: Path, monkeypatch) -> None:
+    storage = PooledSqliteEventLogStorage(str(tmp_path))
+    assert storage.supports_asset_checks  # the index database has the checks' table
+    looked_up: list[str] = []
+
+    def counting(self: SqliteEventLogStorage, table_name: str) -> bool:
+        looked_up.append(table_name)
+        return False
+
+    monkeypatch.setattr(SqliteEventLogStorage, "has_table", counting)
+    assert storage.supports_asset_checks
+    assert not storage.has_table("no_such_table")
+    assert not storage.has_table("no_such_table")  # a missing table may come with a migration
+    assert looked_up == ["no_such_table", "no_such_table"]
+    storage.dispose()

@@ -7,7 +7,8 @@ run's database and the index database: building and opening took about 5 of an e
 connection, for the next call. Everything else, files and schema included, is Dagster's, so
 an instance can switch between the two classes. Engines of the `MAX_OPEN_DATABASES` most
 recently used databases stay open (a webserver reads many runs' databases); the others are
-disposed of.
+disposed of. A table of the index database, once found, is not looked up again: the base
+class opens an engine of its own to look one up for each asset event.
 
 Configured in the instance's `dagster.yaml` (`trinity_dagster.dagster_instance`):
 
@@ -39,7 +40,18 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
 
     def __init__(self, base_dir: str, inst_data: ConfigurableClassData | None = None) -> None:
         self._engines: OrderedDict[str, Engine] = OrderedDict()
+        self._tables_found: set[str] = set()
         super().__init__(base_dir, inst_data)
+
+    def has_table(self, table_name: str) -> bool:
+        """Whether the index database has `table_name`; a table once found is not looked up
+        again (the base class opens an engine and reads the schema on every asset event)."""
+        if table_name in self._tables_found:
+            return True
+        found = super().has_table(table_name)
+        if found:
+            self._tables_found.add(table_name)
+        return found
 
     @classmethod
     def from_config_value(
