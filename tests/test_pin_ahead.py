@@ -82,12 +82,12 @@ class ExplorerAheadEngine(FakeEngine):
         self.paths = paths
         self.pinned_while_training: dict[int, bool] = {}
 
-    def train_step(self, batch: PinResult) -> dict[str, Any]:
+    def train_step(self, batch: PinResult, *, publish: bool = False) -> dict[str, Any]:
         step = batch.step
         fill_buffer(self.config, 1, seed=100 + step)
         if step < self.config.trainer.total_steps:
             self.pinned_while_training[step] = wait_pinned(self.paths, step + 1)
-        return super().train_step(batch)
+        return super().train_step(batch, publish=publish)
 
 
 def run_ahead(
@@ -119,8 +119,8 @@ def test_the_next_batch_is_pinned_while_a_step_trains(tmp_path: Path) -> None:
 class PausingEngine(ExplorerAheadEngine):
     """`ExplorerAheadEngine` that asks the loop to pause while it trains step 2."""
 
-    def train_step(self, batch: PinResult) -> dict[str, Any]:
-        result = super().train_step(batch)  # step 3 is pinned ahead by now
+    def train_step(self, batch: PinResult, *, publish: bool = False) -> dict[str, Any]:
+        result = super().train_step(batch, publish=publish)  # step 3 is pinned ahead by now
         if batch.step == 2:
             control.submit_request(self.paths, "run-a.pause.now", "pause")
         return result

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_checkpoint_step,
+    latest_weights_version,
     scan_step_dirs,
     weights_dir,
 )
@@ -90,9 +91,12 @@ def test_service_trains_in_order_and_answers_status(service) -> None:
     # superseded sync-only versions are pruned beside the next commands (keep_synced_weights 2)
     client.train_step(3)
     client.publish_weights(3)
-    client.train_step(4)
-    client.train_step(5)
-    client.publish_weights(5)
+    assert "published" not in client.train_step(4)
+    published = client.train_step(5, publish=True)["published"]  # trained, then published
+    assert published["version"] == 5 and published["publish_s"] > 0
+    assert Path(published["path"], "model.safetensors").is_file()
+    assert latest_weights_version(paths) == 5
+    assert client.train_step(5, publish=True)["published"]["version"] == 5  # a retried call
     deadline = time.monotonic() + 30
     while (finals := _final_weights(paths)) != [0, 3, 5] and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -433,6 +433,7 @@ def test_withheld_sync_fails_the_run(tmp_path: Path) -> None:
     assert caught.value.step == 2
     assert caught.value.problems == ["actor/grad_norm is nan"]
     assert engine.events == [("train", 1), ("train", 2)]  # nothing published, step 3 not trained
+    assert engine.publish_asked == [2]  # the train call was asked to, and withheld them
     assert engine.last_sync_step == 0
     state = read_trainer_state(RunPaths.of(config.run_root))
     assert state is not None
@@ -441,6 +442,33 @@ def test_withheld_sync_fails_the_run(tmp_path: Path) -> None:
     assert "actor/grad_norm is nan" in state.reason
     assert not state.finished(4)
     assert engine.closed == 1
+
+
+def test_a_sync_due_at_a_step_is_made_by_its_train_call(tmp_path: Path) -> None:
+    """One engine call trains the step and publishes it when the sync is due whatever
+    explorers ask, and no save (which serves as the sync) is due; the hook still hears of it."""
+    config = loop_config(tmp_path, total_steps=6, save_interval=3, sync_interval=2)
+    fill_buffer(config, 6)
+    engine, hook = FakeEngine(), RecordingHook()
+
+    run_trainer(Trainer(config, engine=engine, hook=hook))
+
+    assert engine.publish_asked == [2, 4]  # 3 and 6 save; 1 and 5 are not sync steps
+    assert engine.events == expected_events(6, 3, 2)
+    assert hook.syncs == [2, 4]
+    timed = {s: m for s, m in zip(hook.steps, hook.metrics, strict=True)}
+    assert all("time/sync_weight" in timed[s] for s in (2, 4))
+    assert "time/trainer_sync_interval" in timed[4]
+
+
+def test_explorer_driven_syncs_are_not_made_by_the_train_call(tmp_path: Path) -> None:
+    config = loop_config(tmp_path, total_steps=3, sync_style="explorer_driven")
+    fill_buffer(config, 3)
+    engine = FakeEngine()
+
+    run_trainer(Trainer(config, engine=engine))
+
+    assert engine.publish_asked == []
 
 
 def test_withheld_sync_by_a_save_serving_as_sync(tmp_path: Path) -> None:

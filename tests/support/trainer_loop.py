@@ -37,6 +37,7 @@ class FakeEngine(TrainEngineWrapper):
         self.health_problems = health_problems or {}
         self.fail_publish_at = fail_publish_at
         self.events: list[Event] = []
+        self.publish_asked: list[int] = []  # steps whose train call also publishes
         self.batches: dict[int, list[str]] = {}
         self.prepared = 0
         self.closed = 0
@@ -53,13 +54,13 @@ class FakeEngine(TrainEngineWrapper):
     def last_sync_step(self) -> int:
         return self.synced
 
-    def train_step(self, batch: PinResult) -> dict[str, Any]:
+    def train_step(self, batch: PinResult, *, publish: bool = False) -> dict[str, Any]:
         assert batch.step == self.step + 1, f"step {batch.step} trained after {self.step}"
         assert batch.eids and len(set(batch.eids)) == len(batch.eids)
         self.step = batch.step
         self.batches[batch.step] = list(batch.eids)
         self._record(("train", batch.step))
-        return {
+        record: dict[str, Any] = {
             "step": batch.step,
             "metrics": {"actor/pg_loss": 0.1 * batch.step, "actor/grad_norm": 1.0},
             "batch_size": len(batch.eids),
@@ -68,6 +69,11 @@ class FakeEngine(TrainEngineWrapper):
             "already_trained": False,
             "replayed": [],
         }
+        if publish:  # as the service: withheld weights are not published
+            self.publish_asked.append(batch.step)
+            withheld = record["health_problems"]
+            record["published"] = None if withheld else {**self.save_state_dict(), "publish_s": 0}
+        return record
 
     def save_checkpoint(
         self,

@@ -216,9 +216,12 @@ class EngineHost:
             self._refresh_status()
 
     # --- commands ---------------------------------------------------------------------
-    def train_step(self, step: int, pin_version: int | None = None) -> dict[str, Any]:
+    def train_step(
+        self, step: int, pin_version: int | None = None, publish: bool = False
+    ) -> dict[str, Any]:
         """Train step N (see the module docstring for the order rules); `pin_version`: the
-        `batches` commit that pinned N, if the caller knows it."""
+        `batches` commit that pinned N, if the caller knows it; `publish`: then publish its
+        weights (`published` in the reply, see `_publish_trained`)."""
         current = self.engine.step
         if step <= current:
             record = read_record(self.paths, step)
@@ -227,10 +230,29 @@ class EngineHost:
                     f"step {step} is behind the engine (at step {current}) and has no record "
                     f"at {record_path(self.paths, step)}"
                 )
-            return {**record, "already_trained": True, "replayed": []}
-        replayed = self._replay_up_to(step - 1, f"cannot train step {step}")
-        trained = self._train(step, pin_version)
-        return {**trained, "already_trained": False, "replayed": replayed}
+            result = {**record, "already_trained": True, "replayed": []}
+        else:
+            replayed = self._replay_up_to(step - 1, f"cannot train step {step}")
+            trained = self._train(step, pin_version)
+            result = {**trained, "already_trained": False, "replayed": replayed}
+        if publish:
+            result["published"] = self._publish_trained(step, result["health_problems"])
+        return result
+
+    def _publish_trained(self, step: int, health_problems: list[str]) -> dict[str, Any] | None:
+        """`publish_weights(N)` right after training N, with the seconds it took
+        (`publish_s`); None when N's health problems withhold its weights (rank 0 decides for
+        every rank) or a save that serves as the sync is still being written."""
+        withheld = [bool(health_problems)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(withheld, src=0)
+        if withheld[0]:
+            return None
+        started = time.perf_counter()
+        info = self.publish_weights(step)
+        if info.get("pending"):
+            return None
+        return {**info, "publish_s": time.perf_counter() - started}
 
     def save_checkpoint(
         self, step: int, block: bool = True, hf: bool = False, serves_as_sync: bool = False

@@ -85,10 +85,13 @@ class EngineClient:
         """Step, weights version, ranks and health of the service."""
         return self._call("GET", "/status")
 
-    def train_step(self, step: int, pin_version: int | None = None) -> dict[str, Any]:
+    def train_step(
+        self, step: int, pin_version: int | None = None, *, publish: bool = False
+    ) -> dict[str, Any]:
         """Train step N (or return its recorded result if already trained); `pin_version`:
-        the `batches` commit that pinned N, if known."""
-        return self._call("POST", "/train_step", {"step": step, "pin_version": pin_version})
+        the `batches` commit that pinned N, if known; `publish`: then publish its weights."""
+        body = {"step": step, "pin_version": pin_version, "publish": publish}
+        return self._call("POST", "/train_step", body)
 
     def save_checkpoint(
         self, step: int, *, block: bool = True, hf: bool = False, serves_as_sync: bool = False

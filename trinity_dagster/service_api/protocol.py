@@ -35,10 +35,13 @@ class TrainStepRequest(_Request):
 
     `pin_version`, the `batches` commit that pinned N when the caller just made it, lets the
     engine read the rows from the file that commit added instead of scanning the table.
+    `publish`: then publish step N's weights as `publish_weights` would, in the same command
+    (the reply's `published`; None when the step's health problems withhold them).
     """
 
     step: TrainedStep
     pin_version: Annotated[int, Strict(), Field(ge=0)] | None = None
+    publish: Annotated[bool, Strict()] = False
 
 
 class SaveCheckpointRequest(_Request):

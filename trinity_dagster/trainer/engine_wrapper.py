@@ -54,8 +54,12 @@ class TrainEngineWrapper(ABC):
         """The newest weights version the engine published to explorers."""
 
     @abstractmethod
-    def train_step(self, batch: PinResult) -> dict[str, Any]:
-        """Train the step `batch` is pinned to; returns the step's record (`metrics` inside)."""
+    def train_step(self, batch: PinResult, *, publish: bool = False) -> dict[str, Any]:
+        """Train the step `batch` is pinned to; returns the step's record (`metrics` inside).
+
+        `publish`: then publish its weights as `save_state_dict` would, in the same call; the
+        record's `published` is their info (with `publish_s`), or None if they were not.
+        """
 
     @abstractmethod
     def save_checkpoint(
@@ -140,9 +144,14 @@ class ServiceEngineWrapper(TrainEngineWrapper):
     def last_sync_step(self) -> int:
         return self._last_sync_step
 
-    def train_step(self, batch: PinResult) -> dict[str, Any]:
-        record = self._call(lambda c: c.train_step(batch.step, batch.batch_version), watched=True)
+    def train_step(self, batch: PinResult, *, publish: bool = False) -> dict[str, Any]:
+        record = self._call(
+            lambda c: c.train_step(batch.step, batch.batch_version, publish=publish),
+            watched=True,
+        )
         self._step = max(self._step, batch.step)
+        if record.get("published") is not None:
+            self._last_sync_step = max(self._last_sync_step, batch.step)
         return record
 
     def save_checkpoint(

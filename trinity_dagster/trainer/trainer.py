@@ -339,24 +339,56 @@ class Trainer:
         self._wakeup.wait(BATCH_POLL_S)
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
-        """Train the step `batch` is pinned to; returns its metrics."""
+        """Train the step `batch` is pinned to; returns its metrics.
+
+        A sync that is certainly due at this step (`_publishes_with_training`) is made by the
+        same engine call: the explorers are woken as soon as it returns, and
+        `time/train_step_call` then leaves out the publish (`time/sync_weight`).
+        """
         metrics: dict[str, Any] = {}
+        publish = self._publishes_with_training(batch.step)
         with timer(metrics, "time/train_step_call"):
-            self._last_record = self.engine.train_step(batch)
+            self._last_record = self.engine.train_step(batch, publish=publish)
         metrics.update(self._last_record["metrics"])
+        published = self._last_record.get("published")
+        if published is not None:
+            publish_s = published.pop("publish_s")
+            metrics["time/train_step_call"] -= publish_s
+            metrics["time/sync_weight"] = publish_s
+            self.last_sync_step = batch.step
+            self._note_sync(metrics)
+            self.hook.on_sync(batch.step, published)
         return metrics
+
+    def _publishes_with_training(self, step: int) -> bool:
+        """Whether step N's train call also publishes its weights: under sync_method
+        `checkpoint`, when the sync rules make N's sync due whatever explorers ask, and no
+        save (which would serve as the sync) is due at N."""
+        sync = self.config.synchronizer
+        if not self._checkpoint_sync() or step == self.total_steps or self._save_due(step):
+            return False
+        return rules.need_sync(
+            step,
+            sync_interval=sync.sync_interval,
+            last_sync_step=min(self.last_sync_step, step),
+            style=sync.sync_style,
+            explorer_requested=False,
+        )
 
     async def need_sync(self) -> bool:
         """Whether the current step's weights go to explorers now (`synchronizer` rules)."""
         return self._sync_due(self._requests())
 
     def need_save(self) -> bool:
-        """Whether the current step saves a checkpoint: every `trainer.save_interval` steps,
-        and the SFT warm-up's last step when RL steps follow it (the SFT model, exported to
-        HF unless `save_hf_checkpoint: never`)."""
-        step = self.train_step_num
+        """Whether the current step saves a checkpoint (see `_save_due`)."""
+        return self._save_due(self.train_step_num)
+
+    def _save_due(self, step: int) -> bool:
+        """Whether step N saves a checkpoint: every `trainer.save_interval` steps, and the SFT
+        warm-up's last step when RL steps follow it (the SFT model, exported to HF unless
+        `save_hf_checkpoint: never`)."""
         every = self.save_interval > 0 and step % self.save_interval == 0
-        return every or self._warmup_ends_now()
+        return every or step == rules.sft_model_step(self.config)
 
     def _warmup_ends_now(self) -> bool:
         return self.train_step_num == rules.sft_model_step(self.config)
