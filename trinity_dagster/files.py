@@ -113,7 +113,10 @@ class BackgroundFsync:
             self._pool.shutdown()
 
     def _raise_failed(self) -> None:
-        done = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
+        done: list[Future[None]] = []
+        running: list[Future[None]] = []
+        for future in self._pending:
+            (done if future.done() else running).append(future)
+        self._pending = running
         for future in done:
             future.result()
