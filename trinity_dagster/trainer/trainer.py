@@ -364,16 +364,9 @@ class Trainer:
         """Whether step N's train call also publishes its weights: under sync_method
         `checkpoint`, when the sync rules make N's sync due whatever explorers ask, and no
         save (which would serve as the sync) is due at N."""
-        sync = self.config.synchronizer
         if not self._checkpoint_sync() or step == self.total_steps or self._save_due(step):
             return False
-        return rules.need_sync(
-            step,
-            sync_interval=sync.sync_interval,
-            last_sync_step=min(self.last_sync_step, step),
-            style=sync.sync_style,
-            explorer_requested=False,
-        )
+        return self._sync_rules_due(step, explorer_requested=False)
 
     async def need_sync(self) -> bool:
         """Whether the current step's weights go to explorers now (`synchronizer` rules)."""
@@ -576,16 +569,22 @@ class Trainer:
         return pending_requests(self.paths)
 
     def _sync_due(self, requests: list[SyncRequest]) -> bool:
-        sync = self.config.synchronizer
         step = self.train_step_num
         if self._held_weights_lost():
             return True
+        return self._sync_rules_due(
+            step, explorer_requested=any(r.have_version < step for r in requests)
+        )
+
+    def _sync_rules_due(self, step: int, *, explorer_requested: bool) -> bool:
+        """`rules.need_sync` of step N under this run's synchronizer and the last sync."""
+        sync = self.config.synchronizer
         return rules.need_sync(
             step,
             sync_interval=sync.sync_interval,
             last_sync_step=min(self.last_sync_step, step),
             style=sync.sync_style,
-            explorer_requested=any(r.have_version < step for r in requests),
+            explorer_requested=explorer_requested,
         )
 
     def _held_weights_lost(self) -> bool:
