@@ -127,7 +127,16 @@ def test_only_json_bodies_are_accepted() -> None:
     assert response.status_code == 422 and bus.commands == []
     response, bus = call("POST", "/train_step", headers=AUTH, json={"step": 1})
     assert response.status_code == 200
-    assert bus.commands == [("train_step", {"step": 1, "pin_version": None})]
+    assert bus.commands == [("train_step", {"step": 1, "pin_version": None, "publish": False})]
+
+
+@pytest.mark.parametrize("publish", [1, "true", None], ids=["int", "text", "null"])
+def test_publish_with_a_train_step_must_be_a_json_boolean(publish: object) -> None:
+    response, bus = call("POST", "/train_step", headers=AUTH, json={"step": 1, "publish": publish})
+    assert response.status_code == 422 and bus.commands == []
+    assert "publish" in response.json()["error"]
+    response, bus = call("POST", "/train_step", headers=AUTH, json={"step": 1, "publish": True})
+    assert bus.commands == [("train_step", {"step": 1, "pin_version": None, "publish": True})]
 
 
 @pytest.mark.parametrize(
