@@ -62,3 +62,23 @@ def test_a_table_found_once_is_not_looked_up_again(tmp_path: Path, monkeypatch) 
     assert not storage.has_table("no_such_table")  # a missing table may come with a migration
     assert looked_up == ["no_such_table", "no_such_table"]
     storage.dispose()
+
+
+def test_the_asset_key_index_columns_are_read_once(tmp_path: Path, monkeypatch) -> None:
+    write_instance_yaml(tmp_path)
+    reads: list[bool] = []
+    original = SqliteEventLogStorage._has_asset_key_index_cols_on_connection
+
+    def counting(self: SqliteEventLogStorage, conn) -> bool:
+        reads.append(original(self, conn))
+        return reads[-1]
+
+    monkeypatch.setattr(SqliteEventLogStorage, "_has_asset_key_index_cols_on_connection", counting)
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        for step in range(3):
+            event = dg.AssetMaterialization("train_step", partition=str(step))
+            instance.report_runless_asset_event(event)
+        assert reads == [True]  # the first materialisation read them; the others did not
+        status = instance.get_asset_records([dg.AssetKey("train_step")])[0].asset_entry
+        assert status.last_materialization_record is not None
+        assert status.last_materialization_record.asset_materialization.partition == "2"

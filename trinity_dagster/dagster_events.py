@@ -7,8 +7,9 @@ run's database and the index database: building and opening took about 5 of an e
 connection, for the next call. Everything else, files and schema included, is Dagster's, so
 an instance can switch between the two classes. Engines of the `MAX_OPEN_DATABASES` most
 recently used databases stay open (a webserver reads many runs' databases); the others are
-disposed of. A table of the index database, once found, is not looked up again: the base
-class opens an engine of its own to look one up for each asset event.
+disposed of. A table or column of the index database, once found, is not looked up again:
+the base class opens an engine of its own to look a table up, and reads the asset-key table's
+columns, for each asset event.
 
 Configured in the instance's `dagster.yaml` (`trinity_dagster.dagster_instance`):
 
@@ -41,6 +42,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
     def __init__(self, base_dir: str, inst_data: ConfigurableClassData | None = None) -> None:
         self._engines: OrderedDict[str, Engine] = OrderedDict()
         self._tables_found: set[str] = set()
+        self._index_columns_found = False
         super().__init__(base_dir, inst_data)
 
     def has_table(self, table_name: str) -> bool:
@@ -52,6 +54,13 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
         if found:
             self._tables_found.add(table_name)
         return found
+
+    def _has_asset_key_index_cols_on_connection(self, conn: Connection) -> bool:
+        """Whether the asset-key table has its index columns; once found, not read again (the
+        base class reads the table's columns for every materialisation)."""
+        if not self._index_columns_found:
+            self._index_columns_found = super()._has_asset_key_index_cols_on_connection(conn)
+        return self._index_columns_found
 
     @classmethod
     def from_config_value(
