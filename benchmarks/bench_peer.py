@@ -13,9 +13,13 @@ the explorer's per-step draw), with the demo's sampling (temperature 1.0, top_p 
 The SFT model is made first with the plain loop: `--sft-steps` steps (the demo's warm-up) of
 the demonstrations' negative log-likelihood at `trainer.sft_lr`, from the demo's weights
 version 0. Each run is its own process; a run's s/step is the median wall of steps 5 to
-`--steps`. Printed last, as JSON: `ratio_<rows>_offset<k>` = ours / plain s/step (goals:
-<= 1.0 at 256 rows and <= 1.5 at 64 with offset 1; <= 1.3 and <= 2.0 with offset 0), and
-every run's figures. Run from the repository root (the daemon loads `workspace.yaml` there).
+`--steps`. With `--repeats R` each row count runs R rounds of plain, ours at offset 1 and ours
+at offset 0, one after another, and a round's ratio divides its ours by its plain (so that both
+see the machine as it was then). Printed last, as JSON: `ratio_<rows>_offset<k>` = ours /
+plain s/step, the median over the rounds (goals: <= 1.0 at 256 rows and <= 1.5 at 64 with
+offset 1; <= 1.3 and <= 2.0 with offset 0), `ratios_<rows>_offset<k>` each round's, and every
+run's figures (a list per kind, by round). Run from the repository root (the daemon loads
+`workspace.yaml` there).
 """
 
 from __future__ import annotations
@@ -309,12 +313,17 @@ def main() -> None:
     parser.add_argument("--rows", default="256,64", help="rows a step, comma-separated")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     parser.add_argument("--keep", type=Path, help="keep the run roots under this directory")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of plain and ours per row count"
+    )
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < FIRST_TIMED_STEP + 2:
         parser.error(f"--steps must be >= {FIRST_TIMED_STEP + 2}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.phase:
         print(json.dumps(_phase(args)))
         return
@@ -327,20 +336,40 @@ def main() -> None:
         result: dict[str, Any] = {"steps": args.steps, **sft}
         for rows in row_counts:
             sized = [*extra, "--rows", str(rows), "--model-dir", str(base / "sft")]
-            plain = run_isolated(MODULE, "phase", "plain", base, sized, args.timeout_s)
-            result[f"plain_{rows}"] = plain
-            print(f"plain {rows:3d} rows: {plain['step_s']:.3f} s/step", flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for round_ in range(args.repeats):
+                plain = run_isolated(MODULE, "phase", "plain", base, sized, args.timeout_s)
+                runs.setdefault(f"plain_{rows}", []).append(plain)
+                print(f"plain {rows:3d} rows: {plain['step_s']:.3f} s/step", flush=True)
+                for offset in OFFSETS:
+                    name = f"ours_{rows}_offset{offset}"
+                    root = base / name / f"round{round_}"
+                    ours = run_isolated(MODULE, "phase", name, root, sized, args.timeout_s)
+                    runs.setdefault(name, []).append(ours)
+                    ratio = ours["step_s"] / plain["step_s"]
+                    print(f"{name}: {ours['step_s']:.3f} s/step, ratio {ratio:.3f}", flush=True)
+            result.update(runs)
             for offset in OFFSETS:
-                name = f"ours_{rows}_offset{offset}"
-                ours = run_isolated(MODULE, "phase", name, base / name, sized, args.timeout_s)
-                result[name] = ours
-                ratio = round(ours["step_s"] / plain["step_s"], 3)
-                result[f"ratio_{rows}_offset{offset}"] = ratio
-                print(f"{name}: {ours['step_s']:.3f} s/step, ratio {ratio}", flush=True)
+                key = f"ratio_{rows}_offset{offset}"
+                result.update(
+                    round_ratios(key, runs[f"plain_{rows}"], runs[f"ours_{rows}_offset{offset}"])
+                )
     ratios = {key: result[key] for key in GOALS if key in result}
     result["goals"] = GOALS
     result["goals_met"] = {key: value <= GOALS[key] for key, value in ratios.items()}
     print(json.dumps(result))
+
+
+def round_ratios(
+    key: str, plain: list[dict[str, Any]], ours: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """`key`: the median of each round's ours / plain s/step; `key` with `ratios_` for
+    `ratio_`: each round's."""
+    each = [o["step_s"] / p["step_s"] for p, o in zip(plain, ours, strict=True)]
+    return {
+        key: round(median(each), 3),
+        key.replace("ratio_", "ratios_", 1): [round(r, 3) for r in each],
+    }
 
 
 def _phase(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.bench_peer import PlainLoop, layout, make_sft_model
+from benchmarks.bench_peer import PlainLoop, layout, make_sft_model, round_ratios
 from trinity_dagster.checkpoint.initial_weights import create_initial_model
 from trinity_dagster.explorer.explorer import Explorer
 from trinity_dagster.paths import RunPaths
@@ -57,3 +57,12 @@ def test_a_step_draws_the_built_in_explorers_tasks_and_updates_the_model(
     assert 0.0 <= done["reward"] <= 1.0
     changed = [k for k, v in plain_loop.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed  # an optimizer step happened
+
+
+def test_each_round_is_divided_by_its_own_plain_run_and_the_median_is_reported() -> None:
+    plain = [{"step_s": 0.10}, {"step_s": 0.20}, {"step_s": 0.10}]
+    ours = [{"step_s": 0.15}, {"step_s": 0.20}, {"step_s": 0.30}]
+    assert round_ratios("ratio_64_offset1", plain, ours) == {
+        "ratio_64_offset1": 1.5,
+        "ratios_64_offset1": [1.5, 1.0, 3.0],
+    }
