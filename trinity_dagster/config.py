@@ -522,9 +522,10 @@ class ExplorerConfig(_Section):
     torch_threads: int | None = Field(
         default=None,
         ge=1,
-        description="CPU threads of the built-in explorer's torch. None: all cores when it only "
-        "runs while training waits (sync_style fixed, sync_interval 1, sync_offset 0), else "
-        "half of them (at least one), leaving the rest to the engine it runs beside.",
+        description="CPU threads of the built-in explorer's torch. None: all cores but one when "
+        "it only runs while training waits (sync_style fixed, sync_interval 1, sync_offset 0), "
+        "leaving one to the trainer's bookkeeping beside it, else half of them, leaving the "
+        "rest to the engine it runs beside (at least one).",
     )
     seed: int = 0
 

@@ -19,11 +19,13 @@ def explorer_runs_alone(config: TrinityConfig) -> bool:
 
 def explorer_torch_threads(config: TrinityConfig, cores: int) -> int:
     """Torch threads of the built-in explorer on a machine with `cores` cores:
-    `explorer.torch_threads`, else all cores when it runs alone and half of them (at least
-    one) when it generates beside training."""
+    `explorer.torch_threads`, else all cores but one when it runs alone and half of them when
+    it generates beside training (at least one). The core an explorer running alone leaves is
+    for what works beside it then: the trainer's run worker logging the step just trained,
+    the Delta commits, the engine's housekeeping."""
     if config.explorer.torch_threads is not None:
         return config.explorer.torch_threads
-    return cores if explorer_runs_alone(config) else max(1, cores // 2)
+    return max(1, cores - 1 if explorer_runs_alone(config) else cores // 2)
 
 
 def engine_torch_threads(config: TrinityConfig, cores: int) -> int:
