@@ -1,5 +1,6 @@
 """The pooled SQLite event storage: Dagster's files and schema, a bounded set of open ones."""
 
+import sqlite3
 from pathlib import Path
 
 import dagster as dg
@@ -82,3 +83,30 @@ def test_the_asset_key_index_columns_are_read_once(tmp_path: Path, monkeypatch) 
         status = instance.get_asset_records([dg.AssetKey("train_step")])[0].asset_entry
         assert status.last_materialization_record is not None
         assert status.last_materialization_record.asset_materialization.partition == "2"
+
+
+def synchronous_setting(storage: PooledSqliteEventLogStorage, run_id: str | None) -> int:
+    """SQLite's `synchronous` on the storage's connection to a run's database (None: the
+    index database): 1 is NORMAL, 2 FULL."""
+    connection = storage.index_connection() if run_id is None else storage.run_connection(run_id)
+    with connection as conn:
+        return conn.execute(text("PRAGMA synchronous")).scalar_one()
+
+
+def test_commits_skip_the_fsync_only_in_write_ahead_log_mode(tmp_path: Path) -> None:
+    storage = PooledSqliteEventLogStorage(str(tmp_path))
+    assert synchronous_setting(storage, "new_run") == 1  # created by Dagster, in WAL mode
+    assert synchronous_setting(storage, None) == 1
+    storage.dispose()
+    reopened = PooledSqliteEventLogStorage(str(tmp_path))
+    assert synchronous_setting(reopened, "new_run") == 1
+    reopened.dispose()
+
+    with sqlite3.connect(tmp_path / "old_journal.db") as plain:  # a rollback-journal database
+        plain.execute("create table t (x)")
+    plain.close()
+    other = PooledSqliteEventLogStorage(str(tmp_path))
+    engine = other._engine("old_journal")
+    with engine.connect() as conn:
+        assert conn.execute(text("PRAGMA synchronous")).scalar_one() == 2  # SQLite's default
+    other.dispose()

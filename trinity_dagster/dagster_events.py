@@ -11,6 +11,13 @@ disposed of. A table or column of the index database, once found, is not looked 
 the base class opens an engine of its own to look a table up, and reads the asset-key table's
 columns, for each asset event.
 
+Commits skip the fsync on databases in write-ahead-log mode, which Dagster puts every event
+database in (SQLite's `synchronous=NORMAL`, the setting SQLite recommends for that mode). A
+killed process loses no committed event, since the log is in the operating system's cache;
+an operating-system crash or power cut may lose the last events but never corrupts the
+database. An event cost the committing process about 1 ms more with the fsync, and up to 5 ms
+more of wall time.
+
 Configured in the instance's `dagster.yaml` (`trinity_dagster.dagster_instance`):
 
     event_log_storage:
@@ -30,7 +37,7 @@ from typing import Any
 from dagster._core.storage.event_log.sqlite.sqlite_event_log import SqliteEventLogStorage
 from dagster._core.storage.sqlite import SQLITE_BUSY_TIMEOUT_SECONDS
 from dagster._serdes import ConfigurableClassData
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Connection, Engine
 
 MAX_OPEN_DATABASES = 8
@@ -76,6 +83,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
             if shard not in self._initialized_dbs:
                 self._initdb(engine)
                 self._initialized_dbs.add(shard)
+                engine.dispose()  # the next connection sees the journal mode `_initdb` set
             with engine.connect() as conn, conn.begin():
                 yield conn
 
@@ -88,6 +96,7 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
                 pool_size=1,
                 connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS},
             )
+            event.listen(engine, "connect", commit_without_fsync_in_wal_mode)
         self._engines[shard] = engine
         while len(self._engines) > MAX_OPEN_DATABASES:
             _, evicted = self._engines.popitem(last=False)
@@ -100,3 +109,15 @@ class PooledSqliteEventLogStorage(SqliteEventLogStorage):
             while self._engines:
                 self._engines.popitem()[1].dispose()
         super().dispose()
+
+
+def commit_without_fsync_in_wal_mode(dbapi_connection: Any, _record: Any) -> None:
+    """Set `synchronous=NORMAL` on a new connection to a database in write-ahead-log mode
+    (commits no longer wait for an fsync); other databases keep SQLite's default."""
+    cursor = dbapi_connection.cursor()
+    try:
+        (mode,) = cursor.execute("PRAGMA journal_mode").fetchone()
+        if mode == "wal":
+            cursor.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cursor.close()
