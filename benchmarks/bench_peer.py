@@ -5,7 +5,8 @@ the explorer's per-step draw), with the demo's sampling (temperature 1.0, top_p 
 8 response tokens), GRPO group size 8, learning rate, clipping and micro-batch size.
 - **ours**: `run_training` (what `trinity-dagster run` does) through the real daemon, the
   built-in explorer and the engine service, weights synced every step, at
-  `synchronizer.sync_offset` 1 (generation of step N+1 beside the training of step N) and 0.
+  `synchronizer.sync_offset` 1 (generation of step N+1 beside the training of step N) and 0,
+  without `bench step`'s memory sampler (its CPU would count against ours alone).
 - **plain**: one Python process, written here: transformers' `generate` (sampling, the
   token log-probs from its logits), the reward function, GRPO advantages, and the PPO-clip
   token-mean loss from `trinity_dagster.algorithms` on a transformers model with torch AdamW
@@ -299,7 +300,8 @@ def run_ours(root: Path, model_dir: Path, rows: int, steps: int, offset: int) ->
     from benchmarks.bench_step import run_method
 
     overrides = {"model.path": str(model_dir), **sized_overrides(rows)}
-    found = run_method("checkpoint", root, 0, steps, offset, overrides)
+    # no memory sampler: it would take CPU from ours that the plain loop keeps
+    found = run_method("checkpoint", root, 0, steps, offset, overrides, sample_memory=True)
     # run_method's walls are of steps 2..steps (each after a GRPO step)
     walls = found["step_walls_s"][FIRST_TIMED_STEP - 2 :]
     return {"rows": rows, **found, "step_s": round(median(walls), 4)}

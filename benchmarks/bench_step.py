@@ -26,6 +26,7 @@ Run from the repository root (the daemon loads `workspace.yaml` there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -76,9 +77,12 @@ def run_method(
     steps: int,
     sync_offset: int = 0,
     overrides: Mapping[str, object] | None = None,
+    *,
+    sample_memory: bool = True,
 ) -> dict[str, Any]:
     """`run_training` with `method` (and config `overrides`, dotted keys, on top of the demo's);
-    the step's wall time and its parts, as medians."""
+    the step's wall time and its parts, as medians, and with `sample_memory` the peak PSS
+    (its sampler takes CPU from the run it measures)."""
     from trinity_dagster.commands.training_run import run_training
 
     total = sft_steps + steps
@@ -99,7 +103,8 @@ def run_method(
     try:
         stdout, sys.stdout = sys.stdout, sys.stderr  # stdout ends with one JSON line
         try:
-            with PeakPss(extra=lambda: engine_processes(paths)) as memory:
+            memory = PeakPss(extra=lambda: engine_processes(paths)) if sample_memory else None
+            with memory or contextlib.nullcontext():
                 run_training(config, REPO_ROOT / "workspace.yaml")
         finally:
             sys.stdout = stdout
@@ -139,8 +144,11 @@ def run_method(
         "overhead_s": round(step_s - compute_s, 4),
         "first_step_s": round(trained[1] - started, 2),
         "end_s": round(ended - trained[total], 2),
-        "peak_pss_mb": round(memory.peak_mb),
-        "pss_at_peak_mb": memory.at_peak,
+        **(
+            {"peak_pss_mb": round(memory.peak_mb), "pss_at_peak_mb": memory.at_peak}
+            if memory is not None
+            else {}
+        ),
         "parts": {
             "generate_s": round(generate_s, 4),
             "train_compute_s": round(train_s, 4),
