@@ -301,7 +301,7 @@ def run_ours(root: Path, model_dir: Path, rows: int, steps: int, offset: int) ->
 
     overrides = {"model.path": str(model_dir), **sized_overrides(rows)}
     # no memory sampler: it would take CPU from ours that the plain loop keeps
-    found = run_method("checkpoint", root, 0, steps, offset, overrides, sample_memory=True)
+    found = run_method("checkpoint", root, 0, steps, offset, overrides, sample_memory=False)
     # run_method's walls are of steps 2..steps (each after a GRPO step)
     walls = found["step_walls_s"][FIRST_TIMED_STEP - 2 :]
     return {"rows": rows, **found, "step_s": round(median(walls), 4)}
