@@ -3,6 +3,8 @@ switch of versions (a crash mid-write changes nothing visible), sync from a chec
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import socket
 import stat
@@ -13,6 +15,7 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from trinity_dagster.checkpoint import shared_files
 from trinity_dagster.checkpoint.layout import (
     checkpoint_dir,
     latest_weights_version,
@@ -122,6 +125,63 @@ def test_a_published_directory_holds_its_files_alone_readable_by_all(tmp_path: P
     assert json.loads((out / "tokenizer.json").read_text()) == {"version": "1.0"}
     with pytest.raises(FileExistsError):
         write_file_synced(out / "config.json", lambda path: path.write_text("{}"))
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 32
+
+
+SHARED = ["config.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_versions_share_one_stored_copy_of_their_config_and_tokenizer(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    tok = _tokenizer_dir(tmp_path)
+    first, second = (_publish(paths, v, _tiny_llama(seed=v), tok) for v in (1, 2))
+    third = _publish(paths, 3, _tiny_llama(seed=3), tok)
+    stored = {p.stat().st_ino: p for p in paths.weights_shared.iterdir()}
+    for name in SHARED:
+        inodes = {(d / name).stat().st_ino for d in (first, second, third)}
+        assert len(inodes) == 1 and inodes <= stored.keys(), name
+        assert (third / name).read_bytes() == stored[inodes.pop()].read_bytes()
+    assert (third / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    weights = {(d / "model.safetensors").stat().st_ino for d in (first, second, third)}
+    assert len(weights) == 3  # the weights themselves are each version's own
+    prune_published(paths, keep=1)
+    assert [d.step for d in scan_step_dirs(paths.weights)] == [3]
+    assert len(list(paths.weights_shared.iterdir())) == len(SHARED)
+    loaded = AutoModelForCausalLM.from_pretrained(weights_dir(paths, 3))
+    assert loaded.config.vocab_size == 32
+
+
+def test_a_changed_tokenizer_file_is_stored_anew(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    tok = _tokenizer_dir(tmp_path)
+    before = _publish(paths, 1, _tiny_llama(seed=1), tok)
+    (tok / "tokenizer.json").write_text('{"version": "2.0.1"}')
+    after = _publish(paths, 2, _tiny_llama(seed=1), tok)
+    assert json.loads((before / "tokenizer.json").read_text()) == {"version": "1.0"}
+    assert json.loads((after / "tokenizer.json").read_text()) == {"version": "2.0.1"}
+
+
+def test_a_damaged_stored_copy_is_replaced_not_linked(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    tok = _tokenizer_dir(tmp_path)
+    text = (tok / "tokenizer.json").read_bytes()
+    damaged = paths.weights_shared / hashlib.sha256(text).hexdigest()
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(text[:5])  # e.g. torn by a crash of a tool that wrote it in place
+    out = _publish(paths, 1, _tiny_llama(seed=1), tok)
+    assert (out / "tokenizer.json").read_bytes() == text == damaged.read_bytes()
+
+
+def test_without_hard_links_each_version_writes_its_own_files(tmp_path: Path, monkeypatch) -> None:
+    def refused(source, target):
+        raise OSError(errno.EPERM, "hard links not allowed here (injected)")
+
+    monkeypatch.setattr(shared_files.os, "link", refused)
+    paths = RunPaths.of(tmp_path)
+    out = _publish(paths, 1, _tiny_llama(seed=1), _tokenizer_dir(tmp_path))
+    for name in SHARED:
+        assert (out / name).stat().st_nlink == 1, name
+    assert json.loads((out / "tokenizer.json").read_text()) == {"version": "1.0"}
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 32
 
 

@@ -227,6 +227,11 @@ class RunPaths:
         """Holds that keep weights versions from pruning while a reader loads them."""
         return self.weights / "holds"
 
+    @property
+    def weights_shared(self) -> Path:
+        """The files that published versions repeat, stored once by content and hard-linked."""
+        return self.weights / "shared"
+
     # --- under service/ ---------------------------------------------------------------------
     @property
     def service_state_file(self) -> Path:

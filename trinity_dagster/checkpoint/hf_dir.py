@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trinity_dagster.checkpoint.shared_files import SharedFiles
 from trinity_dagster.files import fsync_dir, write_file_atomic, write_file_synced
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ def write_hf_dir(
     source_dir: Path | None,
     *,
     fresh: bool = False,
+    shared: SharedFiles | None = None,
 ) -> Path:
     """Write `tensors` with `hf_config` as an HF directory `out_dir`; returns `out_dir`.
 
@@ -74,7 +76,11 @@ def write_hf_dir(
     directory with a `config.json` is complete. Sharded weights of an earlier write are removed.
     `fresh`: `out_dir` must not exist; it is created, its files are written in place and
     fsynced, then the directory: for a directory renamed into place once whole (a publish).
+    `shared` (with `fresh`): the config and the source's files are hard links to the copies
+    this store keeps, written once (`shared_files`).
     """
+    if shared is not None and not fresh:
+        raise ValueError("write_hf_dir: shared files are for a fresh directory only")
     if source_dir is not None and not Path(source_dir).is_dir():
         raise FileNotFoundError(
             f"source directory {source_dir} of the tokenizer files for {out_dir} does not exist"
@@ -86,9 +92,15 @@ def write_hf_dir(
         stale.unlink(missing_ok=True)
     write = write_file_synced if fresh else write_file_atomic
     _write_weights(out_dir / WEIGHTS_FILE, cpu, write)
-    if source_dir is not None:
-        _copy_model_files(Path(source_dir), out_dir, write)
-    write(out_dir / CONFIG_FILE, lambda path: path.write_text(config_text))
+    for name, source in _model_files(source_dir):
+        if shared is None:
+            write(out_dir / name, partial(shutil.copyfile, source))
+        else:
+            shared.place_copy(out_dir / name, source)
+    if shared is None:
+        write(out_dir / CONFIG_FILE, lambda path: path.write_text(config_text))
+    else:
+        shared.place(out_dir / CONFIG_FILE, config_text.encode())
     if fresh:
         fsync_dir(out_dir)
     return out_dir
@@ -141,9 +153,9 @@ def _write_weights(path: Path, tensors: dict[str, Tensor], write: _FileWriter) -
     write(path, lambda target: save_file(tensors, target, metadata={"format": "pt"}))
 
 
-def _copy_model_files(source_dir: Path, out_dir: Path, write: _FileWriter) -> None:
-    """Copy the tokenizer files and generation config that `source_dir` has."""
-    for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE):
-        source = source_dir / name
-        if source.is_file():
-            write(out_dir / name, partial(shutil.copyfile, source))
+def _model_files(source_dir: Path | None) -> list[tuple[str, Path]]:
+    """(name, path) of the tokenizer files and generation config that `source_dir` has."""
+    if source_dir is None:
+        return []
+    found = [(name, Path(source_dir) / name) for name in (*TOKENIZER_FILES, GENERATION_CONFIG_FILE)]
+    return [(name, path) for name, path in found if path.is_file()]

@@ -5,6 +5,7 @@
     checkpoints/latest_checkpointed_iteration.txt   newest complete checkpoint step
     checkpoints/latest_state_dict_iteration.txt     newest published weights version
     weights/global_step_N/                     sync-only published weights (HF format)
+    weights/shared/<sha256>                    their config and tokenizer files, hard-linked
     .global_step_N.tmp-<hex>/                  a checkpoint or weights directory being written
     .global_step_N.trash-<hex>/                a directory being deleted
 

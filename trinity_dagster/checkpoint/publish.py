@@ -27,6 +27,7 @@ from trinity_dagster.checkpoint.layout import (
     weights_dir,
 )
 from trinity_dagster.checkpoint.manifest import verify_checkpoint
+from trinity_dagster.checkpoint.shared_files import SharedFiles
 from trinity_dagster.checkpoint.weights_holds import held_versions
 from trinity_dagster.faults import fault_point
 from trinity_dagster.files import fsync_dir
@@ -55,8 +56,9 @@ def publish_weights(
     """Publish weights version `step` as an HF directory and move the weights marker to it.
 
     The directory is `hf_dir.write_hf_dir`'s (tokenizer files and generation config from the
-    model's `source_dir`), written under a hidden temp name and renamed into place; a
-    re-publish of the same version replaces the old directory. Returns the published directory.
+    model's `source_dir`), written under a hidden temp name and renamed into place; its config
+    and model files are hard links to the copies under `weights/shared/`. A re-publish of the
+    same version replaces the old directory. Returns the published directory.
     """
     if step < 0:
         raise ValueError(f"weights version must be >= 0, got {step}")
@@ -64,7 +66,8 @@ def publish_weights(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = scratch_dir(target.parent, step)
     try:
-        write_hf_dir(tmp, tensors, hf_config, source_dir, fresh=True)
+        shared = SharedFiles(paths.weights_shared)
+        write_hf_dir(tmp, tensors, hf_config, source_dir, fresh=True, shared=shared)
         fault_point("weights_publish", step)
         if target.exists():
             discard_dir(target, step)
