@@ -8,6 +8,8 @@ import hashlib
 import json
 import socket
 import stat
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from trinity_dagster.checkpoint.publish import (
 )
 from trinity_dagster.checkpoint.weights_holds import held_versions, hold_weights
 from trinity_dagster.files import write_file_synced
+from trinity_dagster.handoff.wakeup import EXPLORER, Wakeup
 from trinity_dagster.paths import RunPaths
 
 
@@ -272,3 +275,20 @@ def test_a_hold_of_a_dead_reader_does_not_count(tmp_path: Path) -> None:
     (holds / "2-dead.json").write_text(json.dumps(dead))
     assert held_versions(paths) == set()
     assert not (holds / "2-dead.json").exists(), "a dead reader's hold is removed"
+
+
+def test_explorers_waiting_for_weights_are_woken_when_the_marker_moves(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path)
+    explorer = Wakeup(paths.wakeup, EXPLORER, "builtin")
+    try:
+        threading.Timer(0.2, _publish, args=(paths, 1, _tiny_llama(seed=1))).start()
+        started = time.monotonic()
+        explorer.wait(30.0)
+        assert time.monotonic() - started < 10.0  # woken by the publish, not timed out
+        assert latest_weights_version(paths) == 1
+        _publish(paths, 1, _tiny_llama(seed=2))  # a re-publish does not move the marker
+        started = time.monotonic()
+        explorer.wait(0.3)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        explorer.close()

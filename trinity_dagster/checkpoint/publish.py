@@ -31,6 +31,7 @@ from trinity_dagster.checkpoint.shared_files import SharedFiles
 from trinity_dagster.checkpoint.weights_holds import held_versions
 from trinity_dagster.faults import fault_point
 from trinity_dagster.files import fsync_dir
+from trinity_dagster.handoff.wakeup import EXPLORER, wake
 from trinity_dagster.paths import RunPaths
 
 if TYPE_CHECKING:
@@ -40,10 +41,12 @@ log = logging.getLogger(__name__)
 
 
 def advance_weights_marker(paths: RunPaths, version: int) -> None:
-    """Move the published-weights marker forward to `version` (never backwards)."""
+    """Move the published-weights marker forward to `version` (never backwards), and wake the
+    explorers waiting for weights then, not when the trainer hears of it."""
     current = latest_weights_version(paths)
     if current is None or version > current:
         set_latest_weights_version(paths, version)
+        wake(paths.wakeup, EXPLORER)
 
 
 def publish_weights(
