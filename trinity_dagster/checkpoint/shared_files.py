@@ -56,25 +56,25 @@ class SharedFiles:
             self._place(target, digest, source.read_bytes)
 
     def _place(self, target: Path, digest: str, data: Callable[[], bytes]) -> None:
+        """Link `target` to the stored copy named `digest`, stored from `data()` unless this
+        process checked it already."""
         stored = self.directory / digest
         try:
             try:
-                os.link(self._checked_copy(stored, data), target)
+                os.link(stored if stored in _checked else self._store(data()), target)
             except FileNotFoundError:  # a stored copy removed since this process checked it
                 _checked.discard(stored)
-                os.link(self._checked_copy(stored, data), target)
+                os.link(self._store(data()), target)
         except OSError as err:
             if err.errno not in _NO_HARD_LINK:
                 raise
             content = data()
             write_file_synced(target, lambda path: path.write_bytes(content))
 
-    @staticmethod
-    def _checked_copy(stored: Path, data: Callable[[], bytes]) -> Path:
-        """`stored`, written (fsynced) with `data()` unless this process found it whole."""
-        if stored in _checked:
-            return stored
-        content = data()
+    def _store(self, content: bytes) -> Path:
+        """The stored copy of `content` (named by its sha256), written and fsynced unless the
+        one there is whole."""
+        stored = self.directory / hashlib.sha256(content).hexdigest()
         try:
             whole = stored.read_bytes() == content
         except FileNotFoundError:

@@ -5,9 +5,9 @@ The trainer loop polls for new experiences and the explorer loop for new weights
 Unix datagram socket under `logs/wakeup/` and sleeps on it between polls (`Wakeup.wait`);
 the side that makes the thing land (the explorer once it committed rows; the engine once it
 moved the weights marker, and the trainer after a sync) sends one byte to every socket of the
-waiting side (`wake`). A wake-up is only a hint: the waiter still checks what it waits for and still polls,
-so a lost wake-up, a socket path too long for Unix sockets (about 100 bytes) or a waiter that
-died costs at most one poll interval, never a missed hand-off.
+waiting side (`wake`). A wake-up is only a hint: the waiter still checks what it waits for
+and still polls, so a lost wake-up, a socket path too long for Unix sockets (about 100 bytes)
+or a waiter that died costs at most one poll interval, never a missed hand-off.
 """
 
 from __future__ import annotations
