@@ -54,9 +54,23 @@ def serve_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, socket.sock
     return store, sock
 
 
+# Seconds a client tries to reach a store that should be listening. A store client retries
+# a refused connection until its timeout (54 s for 20 s measured), so a store whose process
+# died would hold a receiver for the whole transfer timeout.
+CONNECT_TIMEOUT_S = 5.0
+
+
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the store at `host:port`."""
-    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
+    """A client of the store at `host:port` whose calls time out after `timeout_s`.
+
+    Raises `OSError` at once if the connection is refused (the store's process is gone),
+    `dist.DistNetworkError` if it cannot connect within `CONNECT_TIMEOUT_S`."""
+    socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
+    store = dist.TCPStore(
+        host, port, None, False, timedelta(seconds=min(timeout_s, CONNECT_TIMEOUT_S))
+    )
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
 
 
 def local_address_towards(host: str, port: int) -> str:

@@ -86,7 +86,13 @@ def receive_described(transfer: Mapping[str, Any], targets: Mapping[str, torch.T
     layout = Layout.from_json(transfer["layout"])
     host, port, prefix = transfer["address"], int(transfer["port"]), transfer["prefix"]
     timeout_s = float(transfer["timeout_s"])
-    store: Any = join_store(host, port, timeout_s)
+    try:
+        store: Any = join_store(host, port, timeout_s)
+    except (OSError, RuntimeError) as err:  # the service died since it answered
+        raise WeightSyncError(
+            f"weights version {transfer['version']}: the engine service's store at "
+            f"{host}:{port} is unreachable: {err}"
+        ) from err
     verdict = "receiver failed before the end"
     group = None
     try:
