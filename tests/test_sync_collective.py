@@ -4,6 +4,7 @@ group of their own (gloo here), checked bucket by bucket, with nothing written p
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +204,46 @@ def test_an_announcement_of_a_dead_service_counts_for_nothing(
     assert state is not None
     write_state(paths, ServiceState(**{**state.__dict__, "pid": state.pid + 1}))  # a new service
     assert announce.announced_version(paths) is None
+
+
+def test_a_transfer_from_a_service_that_died_after_answering_fails_in_seconds() -> None:
+    """The engine answered the request, then died before the receiver joined its store: the
+    receiver gives up in seconds, not after the transfer's timeout."""
+    tensors = mixed_tensors()
+    layout, _ = pack(tensors)
+    with socket.socket() as probe:  # a port nothing listens on any more
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    transfer = {
+        "transfer": 1,
+        "version": 7,
+        "backend": "gloo",
+        "address": "127.0.0.1",
+        "port": port,
+        "prefix": "transfer/1/",
+        "timeout_s": 600.0,
+        "layout": layout.to_json(),
+    }
+    started = time.monotonic()
+    with pytest.raises(
+        WeightSyncError, match=rf"version 7: .* store at 127.0.0.1:{port} is unreach"
+    ):
+        receive_described(transfer, dict(tensors))
+    assert time.monotonic() - started < 60
+
+
+def test_a_version_whose_service_died_is_waited_for_again_not_read_from_disk(
+    nccl_run: tuple[TrinityConfig, RunPaths],
+) -> None:
+    """The explorer chose the announced version 3, then its service died: loading it raises
+    the error the loop answers by waiting for weights again, and the loaded model stays."""
+    config, paths = nccl_run
+    create_initial_model(config, paths)
+    explorer = Explorer(config, paths)
+    model = explorer.policy(0)
+    with pytest.raises(WeightSyncError, match=r"version 3 are neither announced .* nor on disk"):
+        explorer.policy(3)
+    assert explorer.policy(0) is model
 
 
 @pytest.mark.parametrize("explored", [3, 2], ids=["total_steps", "data_ends_early"])

@@ -35,7 +35,7 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.tasks import Task, TaskSet, load_taskset
 from trinity_dagster.tokenizer import decode_response, encode_prompt, load_tokenizer
 from trinity_dagster.weight_sync.announce import announced_version
-from trinity_dagster.weight_sync.receiver import Received, receive_weights
+from trinity_dagster.weight_sync.receiver import Received, WeightSyncError, receive_weights
 
 
 def derive_seed(*parts: object) -> int:
@@ -96,15 +96,25 @@ class Explorer:
 
     def _load(self, version: int) -> PreTrainedModel:
         """The model with weights `version`: the loaded one updated in place, or a fresh one
-        from the version's HF directory."""
+        from the version's HF directory. Under `nccl` a version that is neither announced nor
+        on disk (the service holding it died since it was announced) raises
+        `WeightSyncError`, which the loop answers by waiting for weights again."""
         method = self.config.synchronizer.sync_method
         if method == "memory" and version in shm_versions(self.paths):
             return self._update(read_shm_weights(self.paths, version))
         if method == "nccl" and version == announced_version(self.paths):
             return self._receive(version)
-        if self._model is not None:
-            return self._update(read_policy_weights(self.paths, version))
-        return load_policy(self.paths, version)
+        try:
+            if self._model is not None:
+                return self._update(read_policy_weights(self.paths, version))
+            return load_policy(self.paths, version)
+        except FileNotFoundError as err:
+            if method != "nccl":
+                raise
+            raise WeightSyncError(
+                f"weights version {version} are neither announced by a live engine service "
+                f"(the one that held them died) nor on disk under {self.paths.weights}"
+            ) from err
 
     def _loaded_or_latest(self) -> PreTrainedModel:
         """The loaded model, or the newest published version loaded fresh to update."""

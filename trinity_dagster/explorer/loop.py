@@ -214,8 +214,8 @@ class ExplorerLoop:
     def _explore(self, step: int, marks: list[float]) -> tuple[int, list[dict[str, Any]]] | str:
         """(weights version, rows) of explore step E, or why the loop stops.
 
-        A collective transfer that fails (the engine service died mid-way, a damaged
-        bucket) is tried again with the weights then available, up to `RECEIVE_TRIES` times.
+        A collective transfer that fails (the engine service died before or during it, a
+        damaged bucket) is tried again with the weights then available, up to `RECEIVE_TRIES` times.
         """
         from trinity_dagster.weight_sync.receiver import WeightSyncError
 
