@@ -63,3 +63,18 @@ def test_fully_async_never_waits_and_takes_the_newest(tmp_path: Path) -> None:
     loop._held = 1
     newest.version = 3
     assert loop._wait_for_weights(41) == 3
+
+
+@pytest.mark.parametrize(
+    "style", ["fixed", "trainer_driven", "fully_async", "explorer_driven"], ids=str
+)
+def test_no_style_steps_back_to_weights_older_than_those_held(tmp_path: Path, style: str) -> None:
+    """A killed engine service took version 4, which the explorer holds, with it: the newest
+    version is 0 again until the restarted service holds 4 again."""
+    newest = Published(0)
+    loop = explorer_loop(tmp_path, newest, sync_style=style, sync_method="nccl")
+    loop._held = 4
+    with pytest.raises(TimeoutError, match="explore step 5 needs weights version >= 4"):
+        loop._wait_for_weights(5)
+    newest.version = 4
+    assert loop._wait_for_weights(5) == 4

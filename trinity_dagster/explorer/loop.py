@@ -243,16 +243,21 @@ class ExplorerLoop:
         Explorers that wait (`explorer_waits_for_weights`) take the newest version once the
         one step E needs is there. Under `fully_async` a step never waits and takes the
         newest version; under `trainer_driven` with `nccl` the explorer takes the newest
-        version at its sync points and keeps the one it holds in between.
+        version at its sync points and keeps the one it holds in between. In every style a
+        step waits rather than take a version older than the one held: under `nccl` or
+        `memory` the newest version dips while a killed engine service restarts.
         """
         sync = self.config.synchronizer
         keeps = sync.sync_style is SyncStyle.TRAINER_DRIVEN and not explorer_waits_for_weights(sync)
         if keeps and self._held is not None and not is_explorer_sync_point(step, sync):
             return self._held
-        needed = 0
+        needed = self._held or 0
         if explorer_waits_for_weights(sync):
-            needed = explorer_weights_version(
-                step, sync_interval=sync.sync_interval, sync_offset=sync.sync_offset
+            needed = max(
+                needed,
+                explorer_weights_version(
+                    step, sync_interval=sync.sync_interval, sync_offset=sync.sync_offset
+                ),
             )
         return (
             self._wait(
