@@ -4,7 +4,6 @@ group of their own (gloo here), checked bucket by bucket, with nothing written p
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service_api.client import EngineClient
 from trinity_dagster.service_api.state import ServiceState, read_state, read_token, write_state
-from trinity_dagster.testing import tiny_config
+from trinity_dagster.testing import free_port, tiny_config
 from trinity_dagster.weight_sync import announce, receiver
 from trinity_dagster.weight_sync.buckets import pack
 from trinity_dagster.weight_sync.receiver import WeightSyncError, receive_described
@@ -211,9 +210,7 @@ def test_a_transfer_from_a_service_that_died_after_answering_fails_in_seconds() 
     receiver gives up in seconds, not after the transfer's timeout."""
     tensors = mixed_tensors()
     layout, _ = pack(tensors)
-    with socket.socket() as probe:  # a port nothing listens on any more
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # nothing listens there any more
     transfer = {
         "transfer": 1,
         "version": 7,
