@@ -42,7 +42,7 @@ from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import stop_service
 from trinity_dagster.service_api.records import read_record, recorded_steps
-from trinity_dagster.service_api.state import read_state
+from trinity_dagster.service_api.state import pid_alive, read_state
 from trinity_dagster.step_keys import step_key
 from trinity_dagster.testing import TINY, merge
 from trinity_dagster.torch_threads import engine_torch_threads
@@ -51,6 +51,7 @@ pytestmark = pytest.mark.slow
 
 TOTAL_STEPS = 6
 LOOP_TIMEOUT_S = 420.0
+ORPHAN_TIMEOUT_S = 3.0
 SETTINGS = {
     "trainer": {"total_steps": TOTAL_STEPS, "save_interval": 3, "sft_warmup_steps": 2},
     "explorer": {"tasks_per_step": 2, "eval_tasks": 8},
@@ -90,11 +91,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     base = tmp_path_factory.mktemp("reference")
     config_file = write_config(base, tables_root=(base / "tables").as_uri())
     command = [str(Path(sys.executable).parent / "trinity-dagster"), "run", "-c", str(config_file)]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=LOOP_TIMEOUT_S
+    run = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stdout, stderr = run.communicate(timeout=LOOP_TIMEOUT_S)
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
     paths = RunPaths.of(load_config(config_file).run_root)
+    # the command started the engine: it is the engine's owner
+    assert f"owned by process {run.pid}:" in (paths.logs / "engine.log").read_text()
     summary = json.loads((paths.root / "summary.json").read_text())
     assert summary["steps"] == TOTAL_STEPS and summary["hf_model"], summary
     for table in ("experiences", "batches"):
@@ -107,10 +111,16 @@ class Loop:
     """A `dagster dev` on a fresh instance of the test's configuration, sensors on."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.config_file = write_config(root)
         self.paths = RunPaths.of(load_config(self.config_file).run_root)
         write_instance_yaml(self.paths.dagster_home)
         self.devs: list[DagsterDev] = []
+
+    def configure(self, extra: dict) -> None:
+        """Merge `extra` into the configuration (before the first start)."""
+        assert not self.devs, "configure the loop before starting it"
+        self.config_file = write_config(self.root, extra=extra)
 
     def start(self) -> DagsterDev:
         log = self.paths.root / f"dagster_dev_{len(self.devs)}.log"
@@ -238,7 +248,8 @@ def run_worker(paths: RunPaths, job: str) -> psutil.Process | None:
 
 
 def test_daemon_trains_to_the_end_unattended(loop: Loop, reference: bytes) -> None:
-    loop.start()
+    loop.configure({"service": {"orphan_timeout_s": ORPHAN_TIMEOUT_S}})
+    dev = loop.start()
     loop.wait("the trainer to finish", loop.finished)
     loop.check_exactly_once()
     assert final_weights(loop.paths) == reference
@@ -256,6 +267,15 @@ def test_daemon_trains_to_the_end_unattended(loop: Loop, reference: bytes) -> No
     with loop.instance() as instance:
         jobs = {run.job_name for run in instance.get_runs()}
     assert jobs == {"train_job", "rollouts_job"}, jobs
+    # the engine the trainer run started belongs to this dagster dev: stopped, it leaves the
+    # engine idle for service.orphan_timeout_s, no longer for the whole idle timeout
+    engine = read_state(loop.paths)
+    assert engine is not None and dev.process is not None
+    engine_log = loop.paths.logs / "engine.log"
+    assert f"owned by process {dev.process.pid}:" in engine_log.read_text()
+    dev.stop()
+    loop.wait("the engine to stop", lambda: not pid_alive(engine.pid), timeout_s=120)
+    assert f"its owner, process {dev.process.pid}, exited" in engine_log.read_text()
 
 
 def scoring_jobs(loop: Loop) -> dict[str, str] | None:

@@ -536,7 +536,18 @@ class ServiceConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port.")
     allow_non_loopback: bool = False
-    idle_timeout_s: float = Field(default=1800.0, gt=0)
+    idle_timeout_s: float = Field(
+        default=1800.0, gt=0, description="The service stops after this long without commands."
+    )
+    orphan_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Once the Dagster deployment that started the service (`dagster dev`, "
+        "`dagster-daemon run`, `trinity-dagster run`) has exited, the service stops after this "
+        "long without commands, if that is sooner than idle_timeout_s; a deployment restarted "
+        "within it finds the service warm. A service started by `trinity-dagster engine start` "
+        "has no such owner.",
+    )
     start_timeout_s: float = Field(default=300.0, gt=0)
     request_timeout_s: float = Field(default=1800.0, gt=0)
     progress_timeout_s: float = Field(

@@ -189,6 +189,7 @@ def start_engine_early(config: TrinityConfig) -> threading.Event:
     that stopping the run finds every process it must end.
     """
     from trinity_dagster.service.launcher import start_service
+    from trinity_dagster.service.owner import this_process
 
     launched = threading.Event()
     paths = RunPaths.of_config(config)
@@ -198,7 +199,7 @@ def start_engine_early(config: TrinityConfig) -> threading.Event:
 
     def start() -> None:
         try:
-            start_service(config, launched=launched.set)
+            start_service(config, launched=launched.set, owner=this_process())
         except Exception as err:  # the trainer run starts it again and fails with the cause
             log.debug("early engine start failed (the trainer run retries it): %s", err)
 

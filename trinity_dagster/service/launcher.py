@@ -29,6 +29,7 @@ import psutil
 
 from trinity_dagster.config import ConfigError, TrinityConfig
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.owner import OWNER_VARIABLE, Owner
 from trinity_dagster.service.processes import (
     AGENT_MODULE,
     RANK_MODULE,
@@ -187,10 +188,14 @@ def runs_alone(config: TrinityConfig) -> bool:
     return config.service.nnodes == 1 and config.megatron.world_size == 1
 
 
-def _rank_environment(config: TrinityConfig) -> dict[str, str]:
-    """The environment of the service's processes; a rank started alone gets none of a
-    launcher's variables this process may have, so it runs as a single process."""
+def _rank_environment(config: TrinityConfig, owner: Owner | None) -> dict[str, str]:
+    """The environment of the service's processes, naming its `owner` (none: no variable);
+    a rank started alone gets none of a launcher's variables this process may have, so it
+    runs as a single process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(OWNER_VARIABLE, None)
+    if owner is not None:
+        env[OWNER_VARIABLE] = owner.to_env()
     if runs_alone(config):
         for name in LAUNCHER_VARIABLES:
             env.pop(name, None)
@@ -216,11 +221,15 @@ def join_service(config: TrinityConfig, config_file: Path, node_rank: int | None
 
 
 def start_service(
-    config: TrinityConfig, launched: Callable[[], None] = lambda: None
+    config: TrinityConfig,
+    launched: Callable[[], None] = lambda: None,
+    *,
+    owner: Owner | None = None,
 ) -> ServiceState:
     """The running service of this run, started if none answers. `launched` is called once
     this call has started the service's processes or found it running (or failed before),
-    before it waits for a start to finish."""
+    before it waits for a start to finish. A service started here belongs to `owner`
+    (`service/owner.py`); one found running keeps the owner it has."""
     paths = RunPaths.of_config(config)
     with _start_lock(paths):
         try:
@@ -240,7 +249,7 @@ def start_service(
                     stdout=log_handle,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env=_rank_environment(config),
+                    env=_rank_environment(config, owner),
                 )
             # reap the process when it exits, so this process never keeps a zombie around
             threading.Thread(target=process.wait, daemon=True).start()
@@ -301,10 +310,13 @@ def _log_tail(log: Path, offset: int, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def connect(config: TrinityConfig, *, autostart: bool = True) -> EngineClient:
-    """A client of this run's service, starting the service first if allowed and needed."""
+def connect(
+    config: TrinityConfig, *, autostart: bool = True, owner: Owner | None = None
+) -> EngineClient:
+    """A client of this run's service, starting the service first (for `owner`) if allowed
+    and needed."""
     paths = RunPaths.of_config(config)
-    found = start_service(config) if autostart else find_service(paths)
+    found = start_service(config, owner=owner) if autostart else find_service(paths)
     if isinstance(found, SilentService):
         raise EngineUnreachable(
             f"the engine service of {paths.root} does not answer ({found.reason}); "

@@ -12,8 +12,9 @@ import os
 import signal
 import sys
 
-from trinity_dagster.config import load_config
+from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service.owner import Owner
 from trinity_dagster.service.server import (
     CommandBus,
     ControlServer,
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     from trinity_dagster.engine.parallel import launched_by_agent
     from trinity_dagster.service.host import EngineHost
 
+    owner = Owner.from_env(os.environ)
+    if rank == 0 and owner is not None:
+        log.info(
+            "owned by process %d: once it exits, idle for at most %.0f s",
+            owner.pid,
+            config.service.orphan_timeout_s,
+        )
     threads = engine_torch_threads(config, len(os.sched_getaffinity(0)))
     torch.set_num_threads(threads)
     log.info("%d torch thread(s) (trainer.torch_threads)", threads)
@@ -103,14 +111,32 @@ def main(argv: list[str] | None = None) -> int:
         write_state(paths, state)
         log.info("engine service ready at %s (step %d)", state.url, host.engine.step)
         try:
-            reason = rank0_loop(host, bus, config.service.idle_timeout_s)
-            log.info("engine service stopping: %s", reason)
+            reason = rank0_loop(
+                host,
+                bus,
+                config.service.idle_timeout_s,
+                owner=owner,
+                orphan_timeout_s=config.service.orphan_timeout_s,
+            )
+            log.info("engine service stopping: %s", _why(reason, owner, config))
         finally:
             clear_state(paths, os.getpid())
             server.stop()
         return 0
     finally:
         host.close()
+
+
+def _why(reason: str, owner: Owner | None, config: TrinityConfig) -> str:
+    """The log's words for why the service stops."""
+    if reason == "idle":
+        return f"idle for {config.service.idle_timeout_s:.0f} s (service.idle_timeout_s)"
+    if reason == "orphaned" and owner is not None:
+        return (
+            f"its owner, process {owner.pid}, exited, and no command came for "
+            f"{config.service.orphan_timeout_s:.0f} s (service.orphan_timeout_s)"
+        )
+    return reason
 
 
 if __name__ == "__main__":

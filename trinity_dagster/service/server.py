@@ -37,6 +37,7 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
 from trinity_dagster.config import is_loopback_host
+from trinity_dagster.service.owner import Owner
 from trinity_dagster.service_api.protocol import (
     TOKEN_HEADER,
     CommandError,
@@ -280,8 +281,16 @@ def run_command(host: Host, command: dict[str, Any]) -> dict[str, Any]:
         raise wrapped from err
 
 
-def rank0_loop(host: Host, bus: CommandBus, idle_timeout_s: float) -> str:
-    """Rank 0's main loop; returns why it ended (`shutdown` or `idle`)."""
+def rank0_loop(
+    host: Host,
+    bus: CommandBus,
+    idle_timeout_s: float,
+    *,
+    owner: Owner | None = None,
+    orphan_timeout_s: float = float("inf"),
+) -> str:
+    """Rank 0's main loop; returns why it ended (`shutdown`, `idle`, or `orphaned`: `owner`
+    has exited and no command came for `orphan_timeout_s`)."""
     last_command = time.monotonic()
     last_broadcast = last_command
     while True:
@@ -291,9 +300,13 @@ def rank0_loop(host: Host, bus: CommandBus, idle_timeout_s: float) -> str:
         command = bus.take(timeout=0.5)
         now = time.monotonic()
         if command is None:
-            if now - last_command > idle_timeout_s:
+            idle_s = now - last_command
+            stop = "idle" if idle_s > idle_timeout_s else None
+            if stop is None and idle_s > orphan_timeout_s and owner is not None:
+                stop = None if owner.alive() else "orphaned"
+            if stop is not None:
                 host.broadcast({"op": SHUTDOWN, "args": {}})
-                return "idle"
+                return stop
             if now - last_broadcast > HEARTBEAT_S:
                 host.broadcast({"op": NOOP, "args": {}})
                 last_broadcast = now

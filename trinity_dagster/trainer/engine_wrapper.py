@@ -28,6 +28,7 @@ from trinity_dagster.service.launcher import (
     replace_silent,
     stop_service,
 )
+from trinity_dagster.service.owner import dagster_deployment
 from trinity_dagster.service_api.client import EngineClient, EngineError, EngineUnreachable
 from trinity_dagster.service_api.state import ServiceState, read_state, read_token
 
@@ -219,7 +220,8 @@ class ServiceEngineWrapper(TrainEngineWrapper):
 
     def _connected(self, *, autostart: bool) -> EngineClient:
         if self._client is None:
-            self._client = connect(self.config, autostart=autostart)
+            # a service started here belongs to the Dagster deployment running this process
+            self._client = connect(self.config, autostart=autostart, owner=dagster_deployment())
         return self._client
 
     def _call(self, call: Callable[[EngineClient], T], *, watched: bool = False) -> T:

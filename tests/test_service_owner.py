@@ -1,0 +1,121 @@
+"""The owner of an engine service: found among a run worker's ancestors, passed to the
+service's processes, and told from a process that reused its pid."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trinity_dagster.service.owner import (
+    OWNER_VARIABLE,
+    Owner,
+    dagster_deployment,
+    runs_dagster,
+    this_process,
+)
+
+PYTHON = sys.executable
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "dagster"),
+    [
+        ([PYTHON, "/venv/bin/dagster", "dev", "-w", "workspace.yaml"], True),
+        (["/venv/bin/dagster-daemon", "run", "-w", "workspace.yaml"], True),
+        ([PYTHON, "-m", "dagster", "code-server", "start"], True),
+        ([PYTHON, "-m", "dagster", "api", "execute_run", "{}"], True),
+        ([PYTHON, "-m", "dagster._daemon", "run"], True),
+        ([PYTHON, "-m", "dagster_webserver", "--port", "3000"], True),
+        ([PYTHON, "/venv/bin/trinity-dagster", "run", "-c", "dagster"], False),
+        ([PYTHON, "-m", "pytest", "tests/dagster"], False),
+        (["bash", "-c", "sleep 1", "dagster"], False),
+        ([], False),
+    ],
+)
+def test_dagster_processes_are_told_by_their_first_words(cmdline: list[str], dagster: bool) -> None:
+    assert runs_dagster(cmdline) is dagster
+
+
+def _run_as(name: str, script: Path) -> list[str]:
+    """The command that runs `script` with `name` as its argv[0], as a console script's."""
+    return ["bash", "-c", f'exec -a {name} "{PYTHON}" "{script}"']
+
+
+@pytest.fixture
+def chain(tmp_path: Path) -> Iterator[list[psutil.Process]]:
+    """Processes started by this one, top down: `dagster` (as `dagster dev`) ->
+    `dagster-daemon` -> `dagster` (a run worker) -> plain `python` (a step's worker that
+    Dagster started with multiprocessing), the last one waiting."""
+    pid_file = tmp_path / "step.pid"
+    scripts = {
+        "step": f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n",
+        # sys.executable is unknown under another argv[0]
+        "worker": "import subprocess\n"
+        f"subprocess.run([{PYTHON!r}, {str(tmp_path / 'step.py')!r}])\n",
+        "daemon": "import subprocess\n"
+        f"subprocess.run({_run_as('dagster', tmp_path / 'worker.py')!r})\n",
+        "top": "import subprocess\n"
+        f"subprocess.run({_run_as('dagster-daemon', tmp_path / 'daemon.py')!r})\n",
+    }
+    for name, text in scripts.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    top = subprocess.Popen(_run_as("dagster", tmp_path / "top.py"))
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the process chain did not start"
+            time.sleep(0.05)
+        step = psutil.Process(int(pid_file.read_text()))
+        yield [*reversed(step.parents()[:3]), step]
+    finally:
+        for process in psutil.Process(top.pid).children(recursive=True):
+            process.kill()
+        top.kill()
+        top.wait()
+
+
+def test_the_owner_is_the_outermost_dagster_process_above_a_step(
+    chain: list[psutil.Process],
+) -> None:
+    top = chain[0]
+    assert top.parent() == psutil.Process()
+    assert [runs_dagster(p.cmdline()) for p in chain] == [True, True, True, False]
+    for process in chain:
+        assert dagster_deployment(process) == Owner.of(top), process.cmdline()
+
+
+def test_a_process_outside_dagster_has_no_owner() -> None:
+    assert dagster_deployment() is None  # pytest, as `dagster.materialize` in a script
+
+
+def test_the_owner_reaches_the_service_in_its_environment_and_dies_with_its_process() -> None:
+    process = subprocess.Popen([PYTHON, "-c", "import time; time.sleep(60)"])
+    try:
+        owner = Owner.of(psutil.Process(process.pid))
+        assert owner.alive()
+        assert Owner.from_env({OWNER_VARIABLE: owner.to_env()}) == owner
+        assert Owner.from_env(os.environ | {OWNER_VARIABLE: ""}) is None
+        assert Owner.from_env({}) is None
+    finally:
+        process.kill()
+        process.wait()
+    assert not owner.alive()
+
+
+def test_a_process_that_reused_the_owners_pid_is_not_the_owner() -> None:
+    me = this_process()
+    assert me.alive()
+    assert not Owner(me.pid, me.started_at - 10).alive()
+
+
+def test_a_malformed_owner_variable_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=OWNER_VARIABLE):
+        Owner.from_env({OWNER_VARIABLE: "twelve"})
