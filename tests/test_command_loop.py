@@ -86,7 +86,11 @@ class _IdleHost(_RecordingHost):
 def _idle_loop(owner: Owner, *, orphan_timeout_s: float, idle_timeout_s: float = 60) -> str:
     host = _IdleHost(CommandBus(), [])
     reason = rank0_loop(
-        host, host.bus, idle_timeout_s, owner=owner, orphan_timeout_s=orphan_timeout_s
+        host,
+        host.bus,
+        idle_timeout_s,
+        orphan_timeout_s=orphan_timeout_s,
+        orphaned=lambda: not owner.alive(),
     )
     assert host.events == [SHUTDOWN]  # the other ranks are told to stop too
     return reason

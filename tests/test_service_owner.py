@@ -1,25 +1,32 @@
-"""The owner of an engine service: found among a run worker's ancestors, passed to the
-service's processes, and told from a process that reused its pid."""
+"""The owner of an engine service: found among a run worker's ancestors, claimed by the
+deployment that starts or attaches to the service, and told from a process that reused its
+pid or runs on another host."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.service import launcher
 from trinity_dagster.service.owner import (
-    OWNER_VARIABLE,
     Owner,
+    claim,
+    current_owner,
     dagster_deployment,
+    orphaned,
     runs_dagster,
     this_process,
 )
+from trinity_dagster.service_api.state import ServiceState
+from trinity_dagster.testing import tiny_config
 
 PYTHON = sys.executable
 
@@ -96,26 +103,49 @@ def test_a_process_outside_dagster_has_no_owner() -> None:
     assert dagster_deployment() is None  # pytest, as `dagster.materialize` in a script
 
 
-def test_the_owner_reaches_the_service_in_its_environment_and_dies_with_its_process() -> None:
+def test_the_last_claim_owns_the_service_and_a_dead_owner_orphans_it(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path / "run")
+    assert current_owner(paths) is None and not orphaned(paths)
     process = subprocess.Popen([PYTHON, "-c", "import time; time.sleep(60)"])
     try:
         owner = Owner.of(psutil.Process(process.pid))
-        assert owner.alive()
-        assert Owner.from_env({OWNER_VARIABLE: owner.to_env()}) == owner
-        assert Owner.from_env(os.environ | {OWNER_VARIABLE: ""}) is None
-        assert Owner.from_env({}) is None
+        claim(paths, this_process())
+        claim(paths, owner)  # a later deployment attaches: it owns the service now
+        assert current_owner(paths) == owner and owner.alive() and not orphaned(paths)
     finally:
         process.kill()
         process.wait()
-    assert not owner.alive()
+    assert not owner.alive() and orphaned(paths)
+    claim(paths, None)
+    assert current_owner(paths) is None and not orphaned(paths)
 
 
 def test_a_process_that_reused_the_owners_pid_is_not_the_owner() -> None:
     me = this_process()
     assert me.alive()
-    assert not Owner(me.pid, me.started_at - 10).alive()
+    assert not replace(me, started_at=me.started_at - 10).alive()
 
 
-def test_a_malformed_owner_variable_is_refused_naming_it() -> None:
-    with pytest.raises(ValueError, match=OWNER_VARIABLE):
-        Owner.from_env({OWNER_VARIABLE: "twelve"})
+def test_an_owner_on_another_host_or_an_unreadable_claim_is_no_owner(tmp_path: Path) -> None:
+    paths = RunPaths.of(tmp_path / "run")
+    claim(paths, replace(this_process(), host="another-node"))
+    assert current_owner(paths) is None and not orphaned(paths)
+    paths.service_owner.write_text("{not json")
+    assert current_owner(paths) is None
+
+
+def test_a_deployment_that_attaches_to_a_running_service_claims_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _ = tiny_config(tmp_path)
+    paths = RunPaths.of_config(config)
+    running = ServiceState(
+        pid=1, pgid=1, launcher_pid=1, host="127.0.0.1", port=1, world_size=1,
+        config_hash=config.resolved_hash(), log_file="engine.log",
+    )  # fmt: skip
+    monkeypatch.setattr(launcher, "live_service", lambda _: running)
+    first = this_process()
+    assert launcher.start_service(config, owner=first) == running
+    assert current_owner(paths) == first
+    assert launcher.start_service(config) == running  # no owner of its own: the claim stays
+    assert current_owner(paths) == first

@@ -542,11 +542,11 @@ class ServiceConfig(_Section):
     orphan_timeout_s: float = Field(
         default=300.0,
         gt=0,
-        description="Once the Dagster deployment that started the service (`dagster dev`, "
-        "`dagster-daemon run`, `trinity-dagster run`) has exited, the service stops after this "
-        "long without commands, if that is sooner than idle_timeout_s; a deployment restarted "
-        "within it finds the service warm. A service started by `trinity-dagster engine start` "
-        "has no such owner.",
+        description="Once the Dagster deployment that started the service or last attached to "
+        "it (`dagster dev`, `dagster-daemon run`, `trinity-dagster run`) has exited, the "
+        "service stops after this long without commands, if that is sooner than "
+        "idle_timeout_s; a deployment restarted within it finds the service warm. A service "
+        "started by `trinity-dagster engine start` has no owner until one attaches.",
     )
     start_timeout_s: float = Field(default=300.0, gt=0)
     request_timeout_s: float = Field(default=1800.0, gt=0)

@@ -249,6 +249,11 @@ class RunPaths:
         return self.service / "config.yaml"
 
     @property
+    def service_owner(self) -> Path:
+        """The process whose Dagster deployment the engine service belongs to."""
+        return self.service / "owner.json"
+
+    @property
     def service_start_lock(self) -> Path:
         """The lock under which one client starts the engine service."""
         return self.service / "start.lock"

@@ -29,7 +29,7 @@ import psutil
 
 from trinity_dagster.config import ConfigError, TrinityConfig
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.owner import OWNER_VARIABLE, Owner
+from trinity_dagster.service.owner import Owner, claim
 from trinity_dagster.service.processes import (
     AGENT_MODULE,
     RANK_MODULE,
@@ -188,14 +188,10 @@ def runs_alone(config: TrinityConfig) -> bool:
     return config.service.nnodes == 1 and config.megatron.world_size == 1
 
 
-def _rank_environment(config: TrinityConfig, owner: Owner | None) -> dict[str, str]:
-    """The environment of the service's processes, naming its `owner` (none: no variable);
-    a rank started alone gets none of a launcher's variables this process may have, so it
-    runs as a single process."""
+def _rank_environment(config: TrinityConfig) -> dict[str, str]:
+    """The environment of the service's processes; a rank started alone gets none of a
+    launcher's variables this process may have, so it runs as a single process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop(OWNER_VARIABLE, None)
-    if owner is not None:
-        env[OWNER_VARIABLE] = owner.to_env()
     if runs_alone(config):
         for name in LAUNCHER_VARIABLES:
             env.pop(name, None)
@@ -228,14 +224,18 @@ def start_service(
 ) -> ServiceState:
     """The running service of this run, started if none answers. `launched` is called once
     this call has started the service's processes or found it running (or failed before),
-    before it waits for a start to finish. A service started here belongs to `owner`
-    (`service/owner.py`); one found running keeps the owner it has."""
+    before it waits for a start to finish. The service, started here or found running,
+    then belongs to `owner` (`service/owner.py`); without one, a service found running
+    keeps its owner and one started here has none."""
     paths = RunPaths.of_config(config)
     with _start_lock(paths):
         try:
             state = live_service(paths)
             if state is not None:
+                if owner is not None:
+                    claim(paths, owner)
                 return state
+            claim(paths, owner)
             ensure_token(paths)
             config_file = paths.service_config
             config_file.write_text(config.to_yaml())
@@ -249,7 +249,7 @@ def start_service(
                     stdout=log_handle,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env=_rank_environment(config, owner),
+                    env=_rank_environment(config),
                 )
             # reap the process when it exits, so this process never keeps a zombie around
             threading.Thread(target=process.wait, daemon=True).start()

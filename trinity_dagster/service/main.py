@@ -14,7 +14,7 @@ import sys
 
 from trinity_dagster.config import TrinityConfig, load_config
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.service.owner import Owner
+from trinity_dagster.service.owner import current_owner, orphaned
 from trinity_dagster.service.server import (
     CommandBus,
     ControlServer,
@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     from trinity_dagster.engine.parallel import launched_by_agent
     from trinity_dagster.service.host import EngineHost
 
-    owner = Owner.from_env(os.environ)
+    owner = current_owner(paths)
     if rank == 0 and owner is not None:
         log.info(
-            "owned by process %d: once it exits, idle for at most %.0f s",
+            "owned by process %d: once its owner exits, idle for at most %.0f s",
             owner.pid,
             config.service.orphan_timeout_s,
         )
@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 host,
                 bus,
                 config.service.idle_timeout_s,
-                owner=owner,
                 orphan_timeout_s=config.service.orphan_timeout_s,
+                orphaned=lambda: orphaned(paths),
             )
-            log.info("engine service stopping: %s", _why(reason, owner, config))
+            log.info("engine service stopping: %s", _why(reason, paths, config))
         finally:
             clear_state(paths, os.getpid())
             server.stop()
@@ -127,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         host.close()
 
 
-def _why(reason: str, owner: Owner | None, config: TrinityConfig) -> str:
+def _why(reason: str, paths: RunPaths, config: TrinityConfig) -> str:
     """The log's words for why the service stops."""
     if reason == "idle":
         return f"idle for {config.service.idle_timeout_s:.0f} s (service.idle_timeout_s)"
+    owner = current_owner(paths)
     if reason == "orphaned" and owner is not None:
         return (
             f"its owner, process {owner.pid}, exited, and no command came for "

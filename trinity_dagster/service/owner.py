@@ -1,26 +1,31 @@
-"""The owner of an engine service: the process of the Dagster deployment that started it.
+"""The owner of an engine service: the process of the Dagster deployment that uses it.
 
 A service started from a run worker of `dagster dev` (or `dagster-daemon run`), or by
-`trinity-dagster run`, belongs to that deployment. Once its owner has exited, the service
-stops after `service.orphan_timeout_s` without commands instead of `service.idle_timeout_s`:
-a deployment restarted within that time finds the service still warm, and one stopped for
-good does not leave it running for the whole idle timeout. A service started by hand
-(`trinity-dagster engine start`) has no owner.
+`trinity-dagster run`, belongs to that deployment, and so does a running service such a
+deployment attaches to: the last one to claim it owns it (`claim`). Once its owner has
+exited, the service stops after `service.orphan_timeout_s` without commands instead of
+`service.idle_timeout_s`: a deployment restarted within that time finds the service still
+warm, and one stopped for good does not leave it running for the whole idle timeout. A
+service started by hand (`trinity-dagster engine start`) has no owner until a deployment
+attaches to it.
 
-The owner reaches the service's processes in the environment variable `OWNER_VARIABLE`,
-as "pid:start time", so that a pid reused by another process never counts as the owner.
+The owner is a small file under `service/` (`RunPaths.service_owner`): its pid, start time
+(so that a pid reused by another process never counts as the owner) and host (a rank 0 on
+another node of a multi-node service cannot see the process, and ignores it).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import socket
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
-OWNER_VARIABLE = "TRINITY_DAGSTER_ENGINE_OWNER"
+from trinity_dagster.files import PRIVATE_MODE, write_text_atomic
+from trinity_dagster.paths import RunPaths
 
 # Dagster's console scripts, and the modules its processes run with `python -m`
 DAGSTER_SCRIPTS = frozenset({"dagster", "dagster-daemon", "dagster-webserver"})
@@ -29,18 +34,19 @@ DAGSTER_MODULES = frozenset({"dagster", "dagster._daemon", "dagster_webserver"})
 
 @dataclass(frozen=True)
 class Owner:
-    """A process, told from any later process with its pid by its start time."""
+    """A process on a host, told from any later process with its pid by its start time."""
 
     pid: int
     started_at: float
+    host: str
 
     @classmethod
     def of(cls, process: psutil.Process) -> Owner:
-        """The owner `process`."""
-        return cls(process.pid, round(process.create_time(), 2))
+        """The owner `process` (of this host)."""
+        return cls(process.pid, round(process.create_time(), 2), socket.gethostname())
 
     def alive(self) -> bool:
-        """Whether the owner still runs (a zombie counts as exited)."""
+        """Whether the owner still runs (a zombie counts as exited); only asked on its host."""
         try:
             process = psutil.Process(self.pid)
             return (
@@ -50,24 +56,32 @@ class Owner:
         except psutil.Error:
             return False
 
-    def to_env(self) -> str:
-        """The value of `OWNER_VARIABLE` that names this owner."""
-        return f"{self.pid}:{self.started_at}"
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> Owner | None:
-        """The owner named by `OWNER_VARIABLE` in `environ`, or None."""
-        value = environ.get(OWNER_VARIABLE)
-        if not value:
-            return None
-        pid, _, started_at = value.partition(":")
-        try:
-            return cls(int(pid), float(started_at))
-        except ValueError as err:
-            raise ValueError(
-                f"{OWNER_VARIABLE}={value!r} is not 'pid:start time' (set by the engine "
-                "service's launcher)"
-            ) from err
+def claim(paths: RunPaths, owner: Owner | None) -> None:
+    """Make `owner` the owner of the run's engine service (None: no owner). Not fsynced: it
+    names a live process, which a reboot ends anyway."""
+    if owner is None:
+        paths.service_owner.unlink(missing_ok=True)
+        return
+    paths.service.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(asdict(owner))
+    write_text_atomic(paths.service_owner, text, mode=PRIVATE_MODE, fsync=False)
+
+
+def current_owner(paths: RunPaths) -> Owner | None:
+    """The owner of the run's engine service if it is a process of this host, else None
+    (also for a file that does not describe an owner)."""
+    try:
+        owner = Owner(**json.loads(paths.service_owner.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return owner if owner.host == socket.gethostname() else None
+
+
+def orphaned(paths: RunPaths) -> bool:
+    """Whether the run's engine service has an owner on this host and it has exited."""
+    owner = current_owner(paths)
+    return owner is not None and not owner.alive()
 
 
 def runs_dagster(cmdline: list[str]) -> bool:

@@ -37,7 +37,6 @@ from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import HTTPConnection
 
 from trinity_dagster.config import is_loopback_host
-from trinity_dagster.service.owner import Owner
 from trinity_dagster.service_api.protocol import (
     TOKEN_HEADER,
     CommandError,
@@ -286,11 +285,11 @@ def rank0_loop(
     bus: CommandBus,
     idle_timeout_s: float,
     *,
-    owner: Owner | None = None,
     orphan_timeout_s: float = float("inf"),
+    orphaned: Callable[[], bool] = lambda: False,
 ) -> str:
-    """Rank 0's main loop; returns why it ended (`shutdown`, `idle`, or `orphaned`: `owner`
-    has exited and no command came for `orphan_timeout_s`)."""
+    """Rank 0's main loop; returns why it ended (`shutdown`, `idle`, or `orphaned`: no
+    command came for `orphan_timeout_s` and `orphaned()` says the service's owner exited)."""
     last_command = time.monotonic()
     last_broadcast = last_command
     while True:
@@ -302,8 +301,8 @@ def rank0_loop(
         if command is None:
             idle_s = now - last_command
             stop = "idle" if idle_s > idle_timeout_s else None
-            if stop is None and idle_s > orphan_timeout_s and owner is not None:
-                stop = None if owner.alive() else "orphaned"
+            if stop is None and idle_s > orphan_timeout_s and orphaned():
+                stop = "orphaned"
             if stop is not None:
                 host.broadcast({"op": SHUTDOWN, "args": {}})
                 return stop
