@@ -130,8 +130,9 @@ def test_an_owner_on_another_host_or_an_unreadable_claim_is_no_owner(tmp_path: P
     paths = RunPaths.of(tmp_path / "run")
     claim(paths, replace(this_process(), host="another-node"))
     assert current_owner(paths) is None and not orphaned(paths)
-    paths.service_owner.write_text("{not json")
-    assert current_owner(paths) is None
+    for text in ("{not json", "[]", '{"pid": "x", "started_at": 1, "host": "h"}', "{}"):
+        paths.service_owner.write_text(text)
+        assert current_owner(paths) is None, text
 
 
 def test_a_deployment_that_attaches_to_a_running_service_claims_it(

@@ -72,8 +72,9 @@ def current_owner(paths: RunPaths) -> Owner | None:
     """The owner of the run's engine service if it is a process of this host, else None
     (also for a file that does not describe an owner)."""
     try:
-        owner = Owner(**json.loads(paths.service_owner.read_text()))
-    except (OSError, ValueError, TypeError):
+        data = json.loads(paths.service_owner.read_text())
+        owner = Owner(int(data["pid"]), float(data["started_at"]), str(data["host"]))
+    except (OSError, ValueError, TypeError, KeyError):
         return None
     return owner if owner.host == socket.gethostname() else None
 
