@@ -12,7 +12,7 @@ from deltalake import DeltaTable
 
 from tests.support.trainer_loop import FakeEngine, loop_config
 from trinity_dagster.buffer.sampler import BatchPinner, PinResult
-from trinity_dagster.handoff import control
+from trinity_dagster.handoff import control, wakeup
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.testing import fill_buffer
@@ -49,7 +49,7 @@ def test_a_pin_ahead_waits_for_rows_and_is_taken_by_its_step_only(tmp_path: Path
     pinner = BatchPinner(config)
     first = pinner.pin(1)
     assert isinstance(first, PinResult)
-    ahead = PinAhead(pinner, paths.experiences)
+    ahead = PinAhead(pinner, paths.experiences, paths.wakeup)
     try:
         ahead.start(2, first.source_version)  # no rows for step 2 until `take`: no pin
         assert not wait_pinned(paths, 2, timeout_s=0.3)
@@ -70,6 +70,35 @@ def test_a_pin_ahead_waits_for_rows_and_is_taken_by_its_step_only(tmp_path: Path
         assert isinstance(again, PinResult) and again.already_pinned
     finally:
         ahead.close()
+
+
+def test_a_pin_ahead_is_woken_by_the_commit_and_its_take_ends_its_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # with a poll far longer than the test, only wake-ups can make it pin or stop in time
+    monkeypatch.setattr(wakeup, "LISTENING_POLL_S", 600.0)
+    config = loop_config(tmp_path, total_steps=4)
+    paths = RunPaths.of(config.run_root)
+    fill_buffer(config, 1, seed=1)
+    pinner = BatchPinner(config)
+    first = pinner.pin(1)
+    assert isinstance(first, PinResult)
+    ahead = PinAhead(pinner, paths.experiences, paths.wakeup)
+    try:
+        ahead.start(2, first.source_version)
+        time.sleep(0.2)  # the worker waits
+        fill_buffer(config, 1, seed=2)  # the writer's commit wakes it
+        assert wait_pinned(paths, 2, timeout_s=60)
+        assert isinstance(ahead.take(2), PinResult)
+
+        ahead.start(3, first.source_version)
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert ahead.take(3) is None  # no rows: `take` ends the worker's wait
+        assert time.monotonic() - started < 60
+    finally:
+        ahead.close()
+    assert not list(paths.wakeup.glob("trainer.pin-ahead.*"))  # closed, its socket removed
 
 
 class ExplorerAheadEngine(FakeEngine):

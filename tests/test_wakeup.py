@@ -1,5 +1,6 @@
-"""Wake-ups between the loops: a waiter returns when woken, sleeps its poll when not, and a
-waiter that cannot listen or has died costs nothing but its poll."""
+"""Wake-ups between the loops: a waiter returns when woken, sleeps its poll when not (long
+when it listens, short when it cannot), and a waiter that cannot listen or has died costs
+nothing but its poll; what lands wakes the side that waits for it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ import threading
 import time
 from pathlib import Path
 
-from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
+from trinity_dagster.handoff.end_of_data import mark_end_of_data
+from trinity_dagster.handoff.sync_requests import answer_requests, pending_requests, request_sync
+from trinity_dagster.handoff.wakeup import (
+    EXPLORER,
+    LISTENING_POLL_S,
+    POLL_S,
+    TRAINER,
+    Wakeup,
+    wake,
+)
+from trinity_dagster.paths import RunPaths
+from trinity_dagster.testing import fill_buffer, tiny_config
 
 
 def test_a_woken_waiter_returns_at_once_and_only_its_side_is_woken(tmp_path: Path) -> None:
@@ -64,3 +76,41 @@ def test_the_socket_of_a_waiter_that_died_is_removed_by_the_next_wake(tmp_path: 
     assert len(list(tmp_path.glob("explorer.*.sock"))) == 1
     wake(tmp_path, EXPLORER)
     assert list(tmp_path.glob("explorer.*.sock")) == []
+
+
+def test_a_listening_waiter_polls_rarely_and_another_thread_can_end_its_wait(
+    tmp_path: Path,
+) -> None:
+    waiter = Wakeup(tmp_path, TRAINER, "pin-ahead")
+    deaf = Wakeup(tmp_path / ("d" * 120), TRAINER, "loop")
+    try:
+        assert waiter.poll_s == LISTENING_POLL_S > POLL_S == deaf.poll_s
+        threading.Timer(0.2, waiter.interrupt).start()
+        started = time.monotonic()
+        waiter.wait(30.0)
+        assert time.monotonic() - started < 10.0  # interrupted, not timed out
+    finally:
+        waiter.close()
+
+
+def test_requests_answers_commits_and_the_end_of_data_wake_whom_they_concern(
+    tmp_path: Path,
+) -> None:
+    config, _ = tiny_config(tmp_path)
+    paths = RunPaths.of_config(config)
+    trainer = Wakeup(paths.wakeup, TRAINER, "loop")
+    explorer = Wakeup(paths.wakeup, EXPLORER, "builtin")
+    try:
+        for side, waiter, land in (
+            (TRAINER, trainer, lambda: fill_buffer(config, 1, seed=1)),
+            (TRAINER, trainer, lambda: request_sync(paths, "e0", have_version=0)),
+            (EXPLORER, explorer, lambda: answer_requests(paths, pending_requests(paths))),
+            (TRAINER, trainer, lambda: mark_end_of_data(paths, "e0", "done")),
+        ):
+            threading.Timer(0.2, land).start()
+            started = time.monotonic()
+            waiter.wait(60.0)
+            assert time.monotonic() - started < 30.0, side  # woken, not timed out
+    finally:
+        trainer.close()
+        explorer.close()

@@ -42,6 +42,7 @@ from trinity_dagster.buffer.validation import (
     semantic_checks,
 )
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff.wakeup import TRAINER, wake
 from trinity_dagster.paths import RunPaths
 
 # Commit metadata naming the explore step a commit's rows came from (lineage ledger).
@@ -132,6 +133,8 @@ class ExperienceWriter:
             outcome.update(problems=problems, written=valid.num_rows, version=version)
 
         retry_commits(attempt, self._max_retries, f"experience write to {self._paths.experiences}")
+        if outcome["written"]:
+            wake(self._paths.wakeup, TRAINER)  # a trainer loop waiting for rows looks now
         rejects = unstorable + self._semantic_rejects(table, kept, outcome["problems"])
         rejects.sort(key=lambda r: r.index)
         append_quarantine(

@@ -48,7 +48,7 @@ from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.heartbeat import BUILTIN_EXPLORER_ID, Heartbeat
 from trinity_dagster.handoff.sync_requests import is_answered, request_sync
 from trinity_dagster.handoff.trainer_state import read_trainer_state
-from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
+from trinity_dagster.handoff.wakeup import EXPLORER, Wakeup
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.tasks import load_taskset
 from trinity_dagster.torch_threads import explorer_torch_threads
@@ -59,10 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# between looks for new weights: a few file reads, so 5 ms costs ~1% of a core and keeps
-# the hand-off from the trainer within a few ms (bench daemon); the trainer loop also wakes
-# the explorer when it synced (`handoff.wakeup`)
-WEIGHTS_POLL_S = 0.005
 RECEIVE_TRIES = 3
 ALREADY_IN_TABLE = "already in the experiences table"
 
@@ -186,8 +182,7 @@ class ExplorerLoop:
             version, rows = explored
         marks.append(time.perf_counter())
         self._writing_version = self._held = version
-        report = self._writer.write(rows_for_writer(rows), explore_step=step)
-        wake(self.paths.wakeup, TRAINER)
+        report = self._writer.write(rows_for_writer(rows), explore_step=step)  # wakes trainers
         marks.append(time.perf_counter())
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
             raise ValueError(
@@ -303,7 +298,7 @@ class ExplorerLoop:
                     f"{what}; none came within synchronizer.sync_timeout "
                     f"({self.config.synchronizer.sync_timeout:g} s)"
                 )
-            self._wakeup.wait(WEIGHTS_POLL_S)
+            self._wakeup.wait()
         return ""
 
     def _finished_now(self, step: int) -> bool:

@@ -13,15 +13,18 @@ import shutil
 import time
 
 from trinity_dagster.files import write_text_atomic
+from trinity_dagster.handoff.wakeup import TRAINER, wake
 from trinity_dagster.paths import RunPaths
 
 
 def mark_end_of_data(paths: RunPaths, explorer_id: str, reason: str) -> None:
-    """Record that `explorer_id` writes no more experiences, and why."""
+    """Record that `explorer_id` writes no more experiences, and why (and wake the trainer
+    loop, which may be waiting for them)."""
     marker = paths.end_of_data / f"{explorer_id}.json"
     write_text_atomic(
         marker, json.dumps({"explorer_id": explorer_id, "reason": reason, "at": time.time()})
     )
+    wake(paths.wakeup, TRAINER)
 
 
 def end_of_data(paths: RunPaths) -> str | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trinity_dagster.files import write_text_atomic
+from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, wake
 from trinity_dagster.paths import RunPaths
 
 
@@ -37,9 +38,11 @@ def request_path(paths: RunPaths, explorer_id: str) -> Path:
 
 
 def request_sync(paths: RunPaths, explorer_id: str, have_version: int) -> Path:
-    """Ask the trainer for weights newer than `have_version`; returns the request file."""
+    """Ask the trainer for weights newer than `have_version` (and wake its loop); returns the
+    request file."""
     path = request_path(paths, explorer_id)
     write_text_atomic(path, json.dumps({"explorer_id": explorer_id, "have_version": have_version}))
+    wake(paths.wakeup, TRAINER)
     return path
 
 
@@ -58,11 +61,14 @@ def pending_requests(paths: RunPaths) -> list[SyncRequest]:
     return found
 
 
-def answer_requests(requests: list[SyncRequest]) -> None:
-    """Answer requests: the explorers may now load the newest published weights."""
+def answer_requests(paths: RunPaths, requests: list[SyncRequest]) -> None:
+    """Answer requests (and wake the explorers): they may now load the newest published
+    weights."""
     for request in requests:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(request.path)
+    if requests:
+        wake(paths.wakeup, EXPLORER)
 
 
 def is_answered(path: Path) -> bool:

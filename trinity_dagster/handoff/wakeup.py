@@ -1,13 +1,19 @@
 """Waking a waiting loop as soon as what it waits for has landed, rather than at its next poll.
 
-The trainer loop polls for new experiences and the explorer loop for new weights, every 5 ms
-(2.5 ms of latency each on average, on each side of every step). Each waiting side binds a
-Unix datagram socket under `logs/wakeup/` and sleeps on it between polls (`Wakeup.wait`);
-the side that makes the thing land (the explorer once it committed rows; the engine once it
-moved the weights marker, and the trainer after a sync) sends one byte to every socket of the
-waiting side (`wake`). A wake-up is only a hint: the waiter still checks what it waits for
-and still polls, so a lost wake-up, a socket path too long for Unix sockets (about 100 bytes)
-or a waiter that died costs at most one poll interval, never a missed hand-off.
+The trainer loop waits for new experiences (and, while a step trains, its pin-ahead thread
+for the next step's), the explorer loop for new weights. Each waiting side binds a Unix
+datagram socket under `logs/wakeup/` and sleeps on it between polls (`Wakeup.wait`); the side
+that makes the thing land (the explorer once it committed rows; the engine once it moved the
+weights marker, and the trainer after a sync) sends one byte to every socket of the waiting
+side (`wake`). A wake-up is only a hint: the waiter still checks what it waits for and still
+polls, so a lost wake-up or a waiter that died costs at most one poll interval, never a
+missed hand-off.
+
+A waiter that listens polls every `LISTENING_POLL_S` (50 ms): the wake-up is its fast path.
+Polling every 5 ms as well woke the explorer and the pin-ahead thread about 25 times during
+each train step; on two cores each wake-up took a core from one of the engine's two torch
+threads, and the step waited for it (docs/performance.md). A waiter that cannot listen (a
+socket path too long for Unix sockets, about 100 bytes) polls every `POLL_S` (5 ms).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ TRAINER = "trainer"
 EXPLORER = "explorer"
 # longest path a Unix socket address holds on Linux (108 bytes with the terminating NUL)
 _MAX_SOCKET_PATH = 107
+POLL_S = 0.005  # between polls of a waiter that cannot listen
+LISTENING_POLL_S = 0.05  # between polls of one that listens: what a lost wake-up costs
 
 
 class Wakeup:
@@ -44,8 +52,16 @@ class Wakeup:
             return
         self._socket = sock
 
-    def wait(self, timeout_s: float) -> None:
-        """Sleep up to `timeout_s`, less if woken (wake-ups sent meanwhile are consumed)."""
+    @property
+    def poll_s(self) -> float:
+        """How long `wait` sleeps unless woken: `LISTENING_POLL_S`, or `POLL_S` for a waiter
+        that cannot listen."""
+        return POLL_S if self._socket is None else LISTENING_POLL_S
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Sleep up to `timeout_s` (None: `poll_s`), less if woken (wake-ups sent meanwhile
+        are consumed)."""
+        timeout_s = self.poll_s if timeout_s is None else timeout_s
         if self._socket is None:
             time.sleep(timeout_s)
             return
@@ -54,6 +70,11 @@ class Wakeup:
             with contextlib.suppress(BlockingIOError):
                 while True:
                     self._socket.recv(16)
+
+    def interrupt(self) -> None:
+        """End a `wait` of this waiter (from another thread) as a wake-up would."""
+        if self._socket is not None:
+            _send(self.path)
 
     def close(self) -> None:
         """Stop listening and remove the socket file."""
@@ -70,14 +91,17 @@ def wake(directory: Path, side: str) -> None:
         paths = list(directory.glob(f"{side}.*.sock"))
     except OSError:
         return
-    if not paths:
-        return
+    for path in paths:
+        _send(path)
+
+
+def _send(path: Path) -> None:
+    """One byte to the socket at `path`; removed if no one listens there (its waiter died)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.setblocking(False)
-        for path in paths:
-            try:
-                sock.sendto(b"!", str(path))
-            except ConnectionRefusedError:  # no one listens: its waiter died
-                path.unlink(missing_ok=True)
-            except OSError:  # a full queue is awake anyway; a vanished file is gone
-                pass
+        try:
+            sock.sendto(b"!", str(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+        except OSError:  # a full queue is awake anyway; a vanished file is gone
+            pass

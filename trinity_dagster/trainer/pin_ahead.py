@@ -17,23 +17,24 @@ from pathlib import Path
 
 from trinity_dagster.buffer.sampler import BatchPinner, PinResult
 from trinity_dagster.buffer.tables import has_commit_after
+from trinity_dagster.handoff.wakeup import TRAINER, Wakeup
 
 log = logging.getLogger(__name__)
-
-# between looks for new experiences: one `stat` each, as the trainer's own wait does
-POLL_S = 0.005
 
 
 class PinAhead:
     """One pin at a time on a worker thread, for the loop that owns `pinner`.
 
     The owner calls `pinner` itself only after `take`, which waits for the worker, so the two
-    never use it at once.
+    never use it at once. The worker looks for new experiences (one `stat`) when an explorer's
+    commit wakes it (`handoff/wakeup.py`, under `wakeup_dir`) and at the wake-up's poll.
     """
 
-    def __init__(self, pinner: BatchPinner, experiences: str | Path) -> None:
+    def __init__(self, pinner: BatchPinner, experiences: str | Path, wakeup_dir: Path) -> None:
         self._pinner = pinner
         self._experiences = experiences
+        self._wakeup_dir = wakeup_dir
+        self._wakeup: Wakeup | None = None  # listening from the first `start` to `close`
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pin-ahead")
         self._taken = threading.Event()
         self._pending: tuple[int, Future[PinResult | None]] | None = None
@@ -44,7 +45,13 @@ class PinAhead:
         `take` is called."""
         self.take(None)  # never two at once
         self._taken.clear()
-        self._pending = (step, self._pool.submit(self._pin_when_there, step, seen_version))
+        if self._wakeup is None:
+            self._wakeup = Wakeup(self._wakeup_dir, TRAINER, "pin-ahead")
+        wakeup = self._wakeup
+        self._pending = (
+            step,
+            self._pool.submit(self._pin_when_there, step, seen_version, wakeup),
+        )
 
     def take(self, step: int | None) -> PinResult | None:
         """Stop looking, wait for a pin under way; its batch if it pinned `step`, else None
@@ -53,6 +60,8 @@ class PinAhead:
         if self._pending is None:
             return None
         self._taken.set()
+        if self._wakeup is not None:
+            self._wakeup.interrupt()  # the worker's wait ends now, not at its next poll
         pinned_step, future = self._pending
         self._pending = None
         try:
@@ -66,8 +75,11 @@ class PinAhead:
         """Wait for a pin under way and stop the worker thread."""
         self.take(None)
         self._pool.shutdown()
+        if self._wakeup is not None:
+            self._wakeup.close()
+            self._wakeup = None
 
-    def _pin_when_there(self, step: int, seen: int | None) -> PinResult | None:
+    def _pin_when_there(self, step: int, seen: int | None, wakeup: Wakeup) -> PinResult | None:
         """Pin `step` as soon as enough rows are committed; None if `take` came first."""
         while not self._taken.is_set():
             if has_commit_after(self._experiences, seen):
@@ -75,5 +87,5 @@ class PinAhead:
                 if isinstance(result, PinResult):
                     return result
                 seen = result.source_version
-            self._taken.wait(POLL_S)
+            wakeup.wait()
         return None

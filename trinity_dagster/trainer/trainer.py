@@ -60,11 +60,6 @@ from trinity_dagster.weight_sync.announce import announced_version
 
 log = logging.getLogger(__name__)
 
-# between looks for new experiences: a few stats, so 5 ms costs ~1% of a core and keeps
-# the hand-off from the explorers within a few ms (bench daemon); the built-in explorer also
-# wakes the loop when it committed rows (`handoff.wakeup`)
-BATCH_POLL_S = 0.005
-
 
 class SyncWithheldError(RuntimeError):
     """Weights due for explorers failed the step's health checks; training stops."""
@@ -128,7 +123,7 @@ class Trainer:
         self.engine = engine if engine is not None else get_trainer_wrapper(config)
         self.hook = hook or TrainerHook()
         self._pinner = BatchPinner(config)
-        self._pin_ahead = PinAhead(self._pinner, self.paths.experiences)
+        self._pin_ahead = PinAhead(self._pinner, self.paths.experiences, self.paths.wakeup)
         self.total_steps = config.trainer.total_steps
         self.save_interval = config.trainer.save_interval
         self.save_hf_checkpoint = config.trainer.save_hf_checkpoint
@@ -219,7 +214,7 @@ class Trainer:
         self.save_checkpoint(block_until_saved=True, save_as_hf=self.save_hf_checkpoint != "never")
         self._publish_final_weights()
         self._log_final_model()
-        answer_requests(self._requests())  # no newer weights will come
+        answer_requests(self.paths, self._requests())  # no newer weights will come
         write_trainer_state(self.paths, "finished", self.train_step_num, reason)
 
     async def _loop(self, end: int | None) -> tuple[str, bool]:
@@ -291,7 +286,7 @@ class Trainer:
         metrics: dict[str, Any] = {}
         if self._sync_due(requests):
             metrics.update(await self.sync_weight())
-        answer_requests(requests)
+        answer_requests(self.paths, requests)
         return metrics
 
     async def _sample_data(self) -> PinResult:
@@ -336,7 +331,7 @@ class Trainer:
     def _wait_for_rows(self) -> None:
         """Sleep until an explorer wakes the loop or the poll interval passed."""
         assert self._wakeup is not None  # bound by `train`, the only caller's caller
-        self._wakeup.wait(BATCH_POLL_S)
+        self._wakeup.wait()
 
     async def train_step(self, batch: PinResult) -> dict[str, Any]:
         """Train the step `batch` is pinned to; returns its metrics.
@@ -438,7 +433,7 @@ class Trainer:
         if serves:
             self.last_sync_step = self.train_step_num
             self._note_sync(metrics)
-            answer_requests(self._requests())
+            answer_requests(self.paths, self._requests())
         return metrics
 
     def _note_sync(self, metrics: dict[str, Any]) -> None:
