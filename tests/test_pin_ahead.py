@@ -12,6 +12,7 @@ from deltalake import DeltaTable
 
 from tests.support.trainer_loop import FakeEngine, loop_config
 from trinity_dagster.buffer.sampler import BatchPinner, PinResult
+from trinity_dagster.config import TrinityConfig
 from trinity_dagster.handoff import control, wakeup
 from trinity_dagster.handoff.trainer_state import read_trainer_state
 from trinity_dagster.paths import RunPaths
@@ -42,13 +43,20 @@ def wait_pinned(paths: RunPaths, step: int, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def test_a_pin_ahead_waits_for_rows_and_is_taken_by_its_step_only(tmp_path: Path) -> None:
+def step_one_pinned(tmp_path: Path) -> tuple[TrinityConfig, BatchPinner, PinResult]:
+    """A 4-step loop's config with the rows of step 1 written and pinned: the pinner and
+    that pin."""
     config = loop_config(tmp_path, total_steps=4)
-    paths = RunPaths.of(config.run_root)
     fill_buffer(config, 1, seed=1)
     pinner = BatchPinner(config)
     first = pinner.pin(1)
     assert isinstance(first, PinResult)
+    return config, pinner, first
+
+
+def test_a_pin_ahead_waits_for_rows_and_is_taken_by_its_step_only(tmp_path: Path) -> None:
+    config, pinner, first = step_one_pinned(tmp_path)
+    paths = RunPaths.of(config.run_root)
     ahead = PinAhead(pinner, paths.experiences, paths.wakeup)
     try:
         ahead.start(2, first.source_version)  # no rows for step 2 until `take`: no pin
@@ -77,12 +85,8 @@ def test_a_pin_ahead_is_woken_by_the_commit_and_its_take_ends_its_wait(
 ) -> None:
     # with a poll far longer than the test, only wake-ups can make it pin or stop in time
     monkeypatch.setattr(wakeup, "LISTENING_POLL_S", 600.0)
-    config = loop_config(tmp_path, total_steps=4)
+    config, pinner, first = step_one_pinned(tmp_path)
     paths = RunPaths.of(config.run_root)
-    fill_buffer(config, 1, seed=1)
-    pinner = BatchPinner(config)
-    first = pinner.pin(1)
-    assert isinstance(first, PinResult)
     ahead = PinAhead(pinner, paths.experiences, paths.wakeup)
     try:
         ahead.start(2, first.source_version)
