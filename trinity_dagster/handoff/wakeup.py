@@ -74,7 +74,8 @@ class Wakeup:
     def interrupt(self) -> None:
         """End a `wait` of this waiter (from another thread) as a wake-up would."""
         if self._socket is not None:
-            _send(self.path)
+            with _sender() as sock:
+                _send(sock, self.path)
 
     def close(self) -> None:
         """Stop listening and remove the socket file."""
@@ -91,17 +92,25 @@ def wake(directory: Path, side: str) -> None:
         paths = list(directory.glob(f"{side}.*.sock"))
     except OSError:
         return
-    for path in paths:
-        _send(path)
+    if not paths:
+        return
+    with _sender() as sock:
+        for path in paths:
+            _send(sock, path)
 
 
-def _send(path: Path) -> None:
+def _sender() -> socket.socket:
+    """A non-blocking datagram socket to send wake-ups from."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    return sock
+
+
+def _send(sock: socket.socket, path: Path) -> None:
     """One byte to the socket at `path`; removed if no one listens there (its waiter died)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.setblocking(False)
-        try:
-            sock.sendto(b"!", str(path))
-        except ConnectionRefusedError:
-            path.unlink(missing_ok=True)
-        except OSError:  # a full queue is awake anyway; a vanished file is gone
-            pass
+    try:
+        sock.sendto(b"!", str(path))
+    except ConnectionRefusedError:
+        path.unlink(missing_ok=True)
+    except OSError:  # a full queue is awake anyway; a vanished file is gone
+        pass

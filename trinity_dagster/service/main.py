@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     from trinity_dagster.engine.parallel import launched_by_agent
     from trinity_dagster.service.host import EngineHost
 
-    owner = current_owner(paths)
-    if rank == 0 and owner is not None:
+    owner = current_owner(paths) if rank == 0 else None  # only rank 0 watches it
+    if owner is not None:
         log.info(
             "owned by process %d: once its owner exits, idle for at most %.0f s",
             owner.pid,

@@ -105,7 +105,7 @@ def dagster_deployment(process: psutil.Process | None = None) -> Owner | None:
     current: psutil.Process | None = process or psutil.Process(os.getpid())
     found: psutil.Process | None = None
     while current is not None:
-        if _runs_dagster_too(current):
+        if _is_dagster_process(current):
             found = current
         elif found is not None:
             break  # the first process above the chain
@@ -119,7 +119,7 @@ def dagster_deployment(process: psutil.Process | None = None) -> Owner | None:
         return None
 
 
-def _runs_dagster_too(process: psutil.Process) -> bool:
+def _is_dagster_process(process: psutil.Process) -> bool:
     """Whether `process` still exists, can be read and runs Dagster."""
     try:
         return runs_dagster(process.cmdline())
