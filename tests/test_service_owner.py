@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import psutil
@@ -22,6 +22,7 @@ from trinity_dagster.service.owner import (
     current_owner,
     dagster_deployment,
     orphaned,
+    owner_report,
     runs_dagster,
     this_process,
 )
@@ -112,12 +113,19 @@ def test_the_last_claim_owns_the_service_and_a_dead_owner_orphans_it(tmp_path: P
         claim(paths, this_process())
         claim(paths, owner)  # a later deployment attaches: it owns the service now
         assert current_owner(paths) == owner and owner.alive() and not orphaned(paths)
+        assert owner_report(paths) == {
+            "pid": process.pid,
+            "started_at": owner.started_at,
+            "host": owner.host,
+            "alive": True,
+        }
     finally:
         process.kill()
         process.wait()
     assert not owner.alive() and orphaned(paths)
+    assert owner_report(paths) == {**asdict(owner), "alive": False}
     claim(paths, None)
-    assert current_owner(paths) is None and not orphaned(paths)
+    assert current_owner(paths) is None and not orphaned(paths) and owner_report(paths) is None
 
 
 def test_a_process_that_reused_the_owners_pid_is_not_the_owner() -> None:
@@ -128,11 +136,13 @@ def test_a_process_that_reused_the_owners_pid_is_not_the_owner() -> None:
 
 def test_an_owner_on_another_host_or_an_unreadable_claim_is_no_owner(tmp_path: Path) -> None:
     paths = RunPaths.of(tmp_path / "run")
-    claim(paths, replace(this_process(), host="another-node"))
+    elsewhere = replace(this_process(), host="another-node")
+    claim(paths, elsewhere)
     assert current_owner(paths) is None and not orphaned(paths)
+    assert owner_report(paths) == {**asdict(elsewhere), "alive": None}  # cannot be seen
     for text in ("{not json", "[]", '{"pid": "x", "started_at": 1, "host": "h"}', "{}"):
         paths.service_owner.write_text(text)
-        assert current_owner(paths) is None, text
+        assert current_owner(paths) is None and owner_report(paths) is None, text
 
 
 def test_a_deployment_that_attaches_to_a_running_service_claims_it(

@@ -308,7 +308,9 @@ def test_frozen_service_is_reported_then_replaced(tmp_path: Path, capsys) -> Non
         assert cli_main([cli[0], "start", *cli[1:]]) == 0
         out, err = capsys.readouterr()
         assert f"pid {frozen.pid} (stopped)" in err and "killed" in err
-        assert '"running": true' in out
+        report = json.loads(out)
+        assert report["running"] and report["step"] == 0
+        assert report["owner"] is None  # started by hand: no deployment owns it
         assert not any(pid_alive(process.pid) for process in old_processes)
         replaced = read_state(paths)
         assert replaced.pid != frozen.pid

@@ -106,6 +106,7 @@ def _manage(action: str, config: TrinityConfig) -> int:
         replace_silent,
         stop_service,
     )
+    from trinity_dagster.service.owner import owner_report
 
     paths = RunPaths.of_config(config)
     if action == "stop":
@@ -127,7 +128,8 @@ def _manage(action: str, config: TrinityConfig) -> int:
         print(json.dumps({"running": False, "run_root": str(paths.root)}))
         return 1
     with connect(config, autostart=action == "start") as client:
-        print(json.dumps({"running": True, "url": client.url, **client.status()}, indent=1))
+        report = {"running": True, "url": client.url, **client.status()}
+        print(json.dumps({**report, "owner": owner_report(paths)}, indent=1))
     return 0
 
 

@@ -68,15 +68,31 @@ def claim(paths: RunPaths, owner: Owner | None) -> None:
     write_text_atomic(paths.service_owner, text, mode=PRIVATE_MODE, fsync=False)
 
 
-def current_owner(paths: RunPaths) -> Owner | None:
-    """The owner of the run's engine service if it is a process of this host, else None
-    (also for a file that does not describe an owner)."""
+def recorded_owner(paths: RunPaths) -> Owner | None:
+    """The owner the run's engine service's claim names, on any host (None: no claim, or a
+    file that does not describe an owner)."""
     try:
         data = json.loads(paths.service_owner.read_text())
-        owner = Owner(int(data["pid"]), float(data["started_at"]), str(data["host"]))
+        return Owner(int(data["pid"]), float(data["started_at"]), str(data["host"]))
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    return owner if owner.host == socket.gethostname() else None
+
+
+def current_owner(paths: RunPaths) -> Owner | None:
+    """The owner of the run's engine service if it is a process of this host, else None."""
+    owner = recorded_owner(paths)
+    return owner if owner is not None and owner.host == socket.gethostname() else None
+
+
+def owner_report(paths: RunPaths) -> dict[str, object] | None:
+    """The owner of the run's engine service as `trinity-dagster engine status` shows it:
+    pid, host, start time (Unix seconds) and whether it still runs (None when it is on
+    another host, where it cannot be seen); None when the service has no owner."""
+    owner = recorded_owner(paths)
+    if owner is None:
+        return None
+    here = owner.host == socket.gethostname()
+    return {**asdict(owner), "alive": owner.alive() if here else None}
 
 
 def orphaned(paths: RunPaths) -> bool:
