@@ -284,6 +284,15 @@ class BufferConfig(_Section):
         description="The trainer stops (data ended) after waiting this long for a batch with "
         "no new experience arriving.",
     )
+    capacity: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most unconsumed experiences (written, not yet trained on as often as the "
+        "sampler allows, nor dropped) the buffer holds: the built-in explorer waits for room "
+        "before it generates a step (Trinity-RFT's experience_buffer.capacity). It bounds how "
+        "far explorers that never wait for weights (sync_style fully_async, trainer_driven "
+        "with nccl) run ahead. None: no bound.",
+    )
 
     @model_validator(mode="after")
     def _tables_on_a_file_system(self) -> BufferConfig:
@@ -791,6 +800,7 @@ class TrinityConfig(_Section):
                 "parallelism); use tensor_model_parallel_size or data_parallel_size",
             )
         self._check_critic()
+        self._check_capacity()
         if self.trainer.sequence_packing and self.megatron.sequence_parallel:
             raise _at(
                 "trainer.sequence_packing",
@@ -818,6 +828,29 @@ class TrinityConfig(_Section):
                 "service.allow_non_loopback: true to expose the control API",
             )
         return self
+
+    def _check_capacity(self) -> None:
+        """A capacity that always leaves the trainer a batch and the explorer room for a
+        step: below it, the trainer could wait for rows while the explorer waits for room."""
+        capacity = self.buffer.capacity
+        if capacity is None:
+            return
+        batch = self.buffer.train_batch_size
+        step_rows = self.rows_per_explore_step()
+        least = batch + step_rows - 1
+        if capacity < least:
+            raise _at(
+                "buffer.capacity",
+                f"{capacity} is too small: the trainer waits for {batch} unconsumed "
+                f"experiences (buffer.train_batch_size) while the built-in explorer waits "
+                f"for room for its {step_rows} (a step's rows); at least {least}",
+            )
+
+    def rows_per_explore_step(self) -> int:
+        """The most rows a built-in explorer step writes: a generating step's tasks times
+        `algorithm.repeat_times`, or a demonstration step's `buffer.train_batch_size`."""
+        generated = self.explorer.tasks_per_step * self.algorithm.repeat_times
+        return max(generated, self.buffer.train_batch_size)
 
     def _check_critic(self) -> None:
         """The `critic` section acts only for a critic algorithm, which needs a whole sequence

@@ -523,6 +523,11 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
         "buffer.trainer_input.experience_buffer.max_read_timeout",
         "buffer.read_timeout_s",
     ),
+    _alias(
+        "buffer.trainer_input.experience_buffer.capacity",
+        "buffer.capacity",
+        "unconsumed experiences before the built-in explorer waits for room",
+    ),
     *(
         _refused(
             f"buffer.trainer_input.experience_buffer.{key}",
@@ -533,7 +538,6 @@ TRINITY_KEYS: tuple[TrinityKey, ...] = (
             "name",
             "storage_type",
             "path",
-            "capacity",
             "max_retry_times",
             "max_retry_interval",
         )

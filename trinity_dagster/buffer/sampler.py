@@ -37,6 +37,7 @@ from trinity_dagster.buffer.tables import (
 )
 from trinity_dagster.buffer.validation import row_to_json
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff.wakeup import EXPLORER, wake
 from trinity_dagster.paths import RunPaths
 
 
@@ -229,6 +230,8 @@ class BatchPinner:
         )
         if isinstance(result, PinShortfall) and force:
             raise NotEnoughDataError(f"cannot pin step {step}: {result.message}")
+        if config.buffer.capacity is not None and isinstance(result, PinResult):
+            wake(self.paths.wakeup, EXPLORER)  # an explorer waiting for room looks now
         return result
 
     def _state_before(self, batches: DeltaTable, step: int) -> SamplerState | PinResult:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from trinity_dagster.buffer.room import BufferRoom
 from trinity_dagster.buffer.validation import INPUT_SCHEMA
 from trinity_dagster.buffer.writer import ExperienceWriter
 from trinity_dagster.checkpoint.rules import (
@@ -118,6 +119,7 @@ class ExplorerLoop:
         self._held: int | None = None  # the weights version of the last explored step
         self._heartbeat = Heartbeat(self.paths, explorer_id)
         self._wakeup = Wakeup(self.paths.wakeup, EXPLORER, explorer_id)
+        self._room = BufferRoom(config)
 
     @property
     def explorer(self) -> Explorer:
@@ -169,6 +171,10 @@ class ExplorerLoop:
         """Explore one step and report it; returns why the loop stops, or None to go on."""
         config = self.config
         demonstrations = step <= config.trainer.sft_warmup_steps
+        waited = time.perf_counter()
+        stopped = self._wait_for_room(step, demonstrations)
+        if stopped:
+            return stopped
         marks = [time.perf_counter()]
         if demonstrations:
             version = self._latest_version()
@@ -184,6 +190,7 @@ class ExplorerLoop:
         self._writing_version = self._held = version
         report = self._writer.write(rows_for_writer(rows), explore_step=step)  # wakes trainers
         marks.append(time.perf_counter())
+        self._room.wrote(report)
         if report.written == 0 and not all(ALREADY_IN_TABLE in str(r) for r in report.reasons):
             raise ValueError(
                 f"explore step {step}: every experience was quarantined: "
@@ -200,6 +207,7 @@ class ExplorerLoop:
                 "reward_mean": fmean(rewards),
                 "accuracy": fmean(1.0 if r >= 1.0 else 0.0 for r in rewards),
                 **step_timings(marks),
+                **self._room_metadata(marks[0] - waited),
             },
         )
         if not demonstrations and self._asks_for_sync(step):
@@ -261,6 +269,26 @@ class ExplorerLoop:
             )
             or self._latest_version()
         )
+
+    def _wait_for_room(self, step: int, demonstrations: bool) -> str:
+        """Wait until the rows of step `step` fit under `buffer.capacity`; "" then, or why
+        the loop stops. The trainer wakes this explorer when it pins a batch."""
+        config = self.config
+        if demonstrations:
+            rows = config.buffer.train_batch_size
+        else:
+            rows = config.explorer.tasks_per_step * config.algorithm.repeat_times
+        return self._wait(
+            lambda: self._room.fits(rows),
+            f"explore step {step} needs room for {rows} experiences in the buffer "
+            f"(buffer.capacity {self.config.buffer.capacity})",
+        )
+
+    def _room_metadata(self, waited_s: float) -> dict[str, Any]:
+        """The buffer's fill and the wait for room, when `buffer.capacity` bounds it."""
+        if self.config.buffer.capacity is None:
+            return {}
+        return {"buffer_unconsumed": self._room.unconsumed, "time/wait_room": waited_s}
 
     def _latest_version(self) -> int:
         """The newest weights version this explorer can load (0 if none is published yet)."""
