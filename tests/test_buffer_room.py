@@ -56,6 +56,10 @@ def test_a_capacity_that_could_leave_both_sides_waiting_is_refused(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"buffer\.capacity.*6 is too small.*at least 7"):
         room_config(tmp_path, capacity=6)
     assert room_config(tmp_path, capacity=7).buffer.capacity == 7
+    # SFT steps write a batch of demonstrations each: 8 rows here, more than a step's 4
+    warm = {"buffer.train_batch_size": 8, "trainer.sft_warmup_steps": 2}
+    with pytest.raises(ConfigError, match="at least 15"):
+        room_config(tmp_path, capacity=14, **warm)
 
 
 def test_an_explorer_waits_for_room_until_the_trainer_pins(
@@ -95,8 +99,10 @@ def test_the_loop_runs_at_most_a_capacity_ahead_of_the_trainer(tmp_path: Path) -
         "synchronizer.sync_timeout": 0.5,
     }
     config = load_config(None, overrides)
-    least = config.buffer.train_batch_size + config.rows_per_explore_step() - 1
-    config = load_config(None, {**overrides, "buffer.capacity": least})
+    batch = config.buffer.train_batch_size
+    step_rows = config.explorer.tasks_per_step * config.algorithm.repeat_times
+    assert step_rows >= batch  # a generating step writes at least a batch of demonstrations
+    config = load_config(None, {**overrides, "buffer.capacity": batch + step_rows - 1})
     reports: dict[int, dict[str, object]] = {}
     loop = ExplorerLoop(config, on_step=reports.__setitem__)
     try:

@@ -836,7 +836,8 @@ class TrinityConfig(_Section):
         if capacity is None:
             return
         batch = self.buffer.train_batch_size
-        step_rows = self.rows_per_explore_step()
+        kinds = (False, True) if self.trainer.sft_warmup_steps else (False,)
+        step_rows = max(self.explore_step_rows(demonstrations=kind) for kind in kinds)
         least = batch + step_rows - 1
         if capacity < least:
             raise _at(
@@ -846,11 +847,12 @@ class TrinityConfig(_Section):
                 f"for room for its {step_rows} (a step's rows); at least {least}",
             )
 
-    def rows_per_explore_step(self) -> int:
-        """The most rows a built-in explorer step writes: a generating step's tasks times
-        `algorithm.repeat_times`, or a demonstration step's `buffer.train_batch_size`."""
-        generated = self.explorer.tasks_per_step * self.algorithm.repeat_times
-        return max(generated, self.buffer.train_batch_size)
+    def explore_step_rows(self, *, demonstrations: bool) -> int:
+        """The rows a built-in explorer step writes: a batch of demonstrations
+        (`buffer.train_batch_size`), or its tasks times `algorithm.repeat_times`."""
+        if demonstrations:
+            return self.buffer.train_batch_size
+        return self.explorer.tasks_per_step * self.algorithm.repeat_times
 
     def _check_critic(self) -> None:
         """The `critic` section acts only for a critic algorithm, which needs a whole sequence

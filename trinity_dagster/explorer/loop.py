@@ -171,7 +171,7 @@ class ExplorerLoop:
         """Explore one step and report it; returns why the loop stops, or None to go on."""
         config = self.config
         demonstrations = step <= config.trainer.sft_warmup_steps
-        waited = time.perf_counter()
+        room_wait_from = time.perf_counter()
         stopped = self._wait_for_room(step, demonstrations)
         if stopped:
             return stopped
@@ -207,7 +207,7 @@ class ExplorerLoop:
                 "reward_mean": fmean(rewards),
                 "accuracy": fmean(1.0 if r >= 1.0 else 0.0 for r in rewards),
                 **step_timings(marks),
-                **self._room_metadata(marks[0] - waited),
+                **self._room_metadata(marks[0] - room_wait_from),
             },
         )
         if not demonstrations and self._asks_for_sync(step):
@@ -273,11 +273,7 @@ class ExplorerLoop:
     def _wait_for_room(self, step: int, demonstrations: bool) -> str:
         """Wait until the rows of step `step` fit under `buffer.capacity`; "" then, or why
         the loop stops. The trainer wakes this explorer when it pins a batch."""
-        config = self.config
-        if demonstrations:
-            rows = config.buffer.train_batch_size
-        else:
-            rows = config.explorer.tasks_per_step * config.algorithm.repeat_times
+        rows = self.config.explore_step_rows(demonstrations=demonstrations)
         return self._wait(
             lambda: self._room.fits(rows),
             f"explore step {step} needs room for {rows} experiences in the buffer "
