@@ -115,3 +115,27 @@ def test_the_loop_runs_at_most_a_capacity_ahead_of_the_trainer(tmp_path: Path) -
         assert unconsumed_count(config) == config.buffer.train_batch_size
     finally:
         loop.close()
+
+
+def test_an_explorer_of_ones_own_waits_for_room_with_the_same_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explorer that is not the built-in one writes with `ExperienceWriter` and waits
+    with `BufferRoom.wait` before each write."""
+    monkeypatch.setattr(wakeup, "LISTENING_POLL_S", 5.0)  # only a wake-up ends a wait early
+    config = room_config(tmp_path)
+    room, writer = BufferRoom(config), ExperienceWriter(config)
+    room.wait(8, timeout_s=0)  # empty: no wait
+    room.wrote(writer.write(make_rows("a", 8)))
+    full = r"no room for 4 experiences within 0\.2 s: 8 unconsumed"
+    with pytest.raises(TimeoutError, match=full):
+        room.wait(4, timeout_s=0.2)
+    with pytest.raises(ValueError, match=r"9 experiences never fit in buffer\.capacity 8"):
+        room.wait(9, timeout_s=60)
+    pinner = threading.Timer(0.3, pin_batch, (config, 1), {"force": True})
+    started = time.monotonic()
+    pinner.start()
+    room.wait(4, timeout_s=60)
+    assert time.monotonic() - started < 3  # woken by the pin, not by a poll
+    pinner.join()
+    assert not list(RunPaths.of_config(config).wakeup.glob("*.sock"))  # stopped listening

@@ -5,6 +5,7 @@ Importing this package does not import torch (`reader.to_tensors` imports it whe
 
 from trinity_dagster.buffer.maintenance import compact, vacuum
 from trinity_dagster.buffer.reader import StepNotPinnedError, load_step_batch, to_tensors
+from trinity_dagster.buffer.room import BufferRoom
 from trinity_dagster.buffer.sampler import (
     NotEnoughDataError,
     PinOrderError,
@@ -22,6 +23,7 @@ __all__ = [
     "BATCH_SCHEMA",
     "EXPERIENCE_SCHEMA",
     "QUARANTINE_SCHEMA",
+    "BufferRoom",
     "ExperienceWriter",
     "NotEnoughDataError",
     "PinOrderError",

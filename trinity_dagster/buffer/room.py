@@ -8,10 +8,13 @@ not accounted for; its own writes it adds itself.
 
 from __future__ import annotations
 
+import time
+
 from trinity_dagster.buffer.stats import unconsumed_count
 from trinity_dagster.buffer.tables import has_commit_after, open_table
 from trinity_dagster.buffer.writer import WriteReport
 from trinity_dagster.config import TrinityConfig
+from trinity_dagster.handoff.wakeup import EXPLORER, Wakeup
 from trinity_dagster.paths import RunPaths
 
 
@@ -23,6 +26,7 @@ class BufferRoom:
         self._config = config
         paths = RunPaths.of_config(config)
         self._experiences, self._batches = paths.experiences, paths.batches
+        self._wakeup_dir = paths.wakeup
         # the versions of (experiences, batches) the count is of; None: not counted yet
         self._counted_at: tuple[int | None, int | None] | None = None
         self._unconsumed = 0
@@ -32,6 +36,29 @@ class BufferRoom:
         if self._capacity is None:
             return True
         return self.unconsumed + rows <= self._capacity
+
+    def wait(self, rows: int, timeout_s: float) -> None:
+        """Return once `rows` more experiences fit, woken by the trainer's pins: for an
+        explorer of its own that writes with `ExperienceWriter`. Raises `TimeoutError` after
+        `timeout_s`, and `ValueError` for more rows than the capacity holds."""
+        capacity = self._capacity
+        if capacity is not None and rows > capacity:
+            raise ValueError(f"{rows} experiences never fit in buffer.capacity {capacity}")
+        if self.fits(rows):
+            return
+        deadline = time.monotonic() + timeout_s
+        wakeup = Wakeup(self._wakeup_dir, EXPLORER, "room")
+        try:
+            while not self.fits(rows):  # looked at again once listening: no pin is missed
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no room for {rows} experiences within {timeout_s:g} s: "
+                        f"{self.unconsumed} unconsumed, buffer.capacity {capacity}"
+                    )
+                wakeup.wait(min(left, wakeup.poll_s))
+        finally:
+            wakeup.close()
 
     def wrote(self, report: WriteReport) -> None:
         """Account for this explorer's own write, so that it needs no count of its own."""
