@@ -75,7 +75,15 @@ class BufferRoom:
         that this explorer's own writes do not account for."""
         if self._stale():
             # the versions first: a commit landing during the count makes the next call count again
-            self._counted_at = (_version(self._experiences), _version(self._batches))
+            if self._counted_at is None:
+                versions = (_version(self._experiences), _version(self._batches))
+            else:
+                experiences, batches = self._counted_at
+                versions = (
+                    _newest(self._experiences, experiences),
+                    _newest(self._batches, batches),
+                )
+            self._counted_at = versions
             self._unconsumed = unconsumed_count(self._config)
         return self._unconsumed
 
@@ -92,3 +100,12 @@ def _version(location: str) -> int | None:
     """The latest version of the Delta table at `location` (None: no table yet)."""
     table = open_table(location)
     return None if table is None else table.version()
+
+
+def _newest(location: str, known: int | None) -> int | None:
+    """The latest version of the Delta table at `location`, found from version `known` (None:
+    no table then) with a `stat` per newer commit instead of opening the table."""
+    version = -1 if known is None else known
+    while has_commit_after(location, version):
+        version += 1
+    return None if version < 0 else version
