@@ -13,9 +13,9 @@ import fcntl
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from trinity_dagster.checkpoint.hf_dir import is_complete_hf_dir
 from trinity_dagster.checkpoint.layout import (
@@ -29,6 +29,9 @@ from trinity_dagster.config import ModelConfig, TrinityConfig
 from trinity_dagster.files import fsync_dir
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.tokenizer import build_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedTokenizerBase
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -70,6 +73,8 @@ def _create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:
 
 def llama_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaConfig:
     """The Hugging Face config of the tiny model described by `model` for `tokenizer`."""
+    from transformers import LlamaConfig
+
     vocab_size = model.vocab_size if model.vocab_size is not None else len(tokenizer)
     if vocab_size < len(tokenizer):
         raise ValueError(
@@ -95,6 +100,9 @@ def llama_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> Llam
 
 
 def _build_tiny_model(config: TrinityConfig, out_dir: Path) -> None:
+    # transformers' model classes import torch's compiler stack: only where a model is built
+    from transformers import LlamaForCausalLM
+
     tokenizer = build_tokenizer()
     hf_config = llama_config(config.model, tokenizer)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []

@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     # torch and megatron-core, only now
     import torch
 
+    from trinity_dagster.engine.megatron_import import import_megatron_core_without_jit_fuser
+
+    import_megatron_core_without_jit_fuser()
     from trinity_dagster.engine.parallel import launched_by_agent
     from trinity_dagster.service.host import EngineHost
 
