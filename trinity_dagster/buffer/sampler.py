@@ -138,7 +138,14 @@ def sampler_state(config: TrinityConfig, step: int) -> SamplerState:
     """The sampler state recorded with step `step` (0: the initial state)."""
     if step == 0:
         return SamplerState()
-    batches = open_table(RunPaths.of_config(config).batches)
+    return state_in(open_table(RunPaths.of_config(config).batches), step)
+
+
+def state_in(batches: DeltaTable | None, step: int) -> SamplerState:
+    """The sampler state recorded with step `step` in `batches` (None: no table yet); step 0
+    has the initial state."""
+    if step == 0:
+        return SamplerState()
     if batches is None:
         raise LookupError(f"step {step} is not pinned: no batches table yet")
     rows = _step_rows(batches, [step], ["sampler_state"])

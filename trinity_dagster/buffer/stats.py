@@ -8,8 +8,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 
-from trinity_dagster.buffer.sampler import sampler_state
-from trinity_dagster.buffer.state import SamplerState
+from trinity_dagster.buffer.sampler import state_in
 from trinity_dagster.buffer.tables import DataFiles, add_actions, open_table
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
@@ -23,7 +22,10 @@ def _row_count(table: DeltaTable | None) -> int:
 
 def last_pinned_step(config: TrinityConfig) -> int:
     """The highest pinned step (0 if none), from file statistics only."""
-    batches = open_table(RunPaths.of_config(config).batches)
+    return _last_pinned_step(open_table(RunPaths.of_config(config).batches))
+
+
+def _last_pinned_step(batches: DeltaTable | None) -> int:
     if batches is None:
         return 0
     actions = add_actions(batches)
@@ -58,11 +60,17 @@ def _rows_at_or_above(table: DeltaTable, seq: int) -> int:
 
 def unconsumed_count(config: TrinityConfig) -> int:
     """Experiences not yet resolved (trained on up to their limit, or dropped)."""
-    experiences = open_table(RunPaths.of_config(config).experiences)
+    paths = RunPaths.of_config(config)
+    experiences = open_table(paths.experiences)
+    batches = open_table(paths.batches)
+    return _unconsumed(experiences, batches, _last_pinned_step(batches))
+
+
+def _unconsumed(experiences: DeltaTable | None, batches: DeltaTable | None, step: int) -> int:
+    """`unconsumed_count` from the open tables and the last pinned step."""
     if experiences is None:
         return 0
-    step = last_pinned_step(config)
-    state = sampler_state(config, step) if step else SamplerState()
+    state = state_in(batches, step)
     return _rows_at_or_above(experiences, state.watermark) - len(state.done)
 
 
@@ -70,11 +78,13 @@ def table_stats(config: TrinityConfig) -> dict[str, Any]:
     """Row counts and versions of the buffer tables, plus the unconsumed count."""
     paths = RunPaths.of_config(config)
     experiences = open_table(paths.experiences)
+    batches = open_table(paths.batches)
     quarantine = open_table(paths.quarantine)
+    step = _last_pinned_step(batches)
     return {
         "row_count": _row_count(experiences),
         "table_version": experiences.version() if experiences is not None else -1,
-        "unconsumed": unconsumed_count(config),
-        "last_pinned_step": last_pinned_step(config),
+        "unconsumed": _unconsumed(experiences, batches, step),
+        "last_pinned_step": step,
         "quarantined": _row_count(quarantine),
     }
