@@ -4,6 +4,8 @@ as Delta Lake reads them."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +14,13 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import DeltaProtocolError
 
-from trinity_dagster.buffer.tables import open_or_create, read_commit, table_dataset
+from trinity_dagster.buffer.tables import (
+    HeldTable,
+    has_commit_after,
+    open_or_create,
+    read_commit,
+    table_dataset,
+)
 
 
 def test_new_tables_checkpoint_their_log_every_ten_commits(tmp_path: Path) -> None:
@@ -26,6 +34,30 @@ def test_new_tables_checkpoint_their_log_every_ten_commits(tmp_path: Path) -> No
     assert table.version() == 25  # version 0 is the create, 1..25 the appends
     assert table.version() - last_checkpoint["version"] <= 10  # at most 10 commits to replay
     assert table.to_pyarrow_table().num_rows == 25
+
+
+def test_a_held_table_follows_commits_whose_files_the_log_clean_up_deleted(
+    tmp_path: Path,
+) -> None:
+    """A reader idle past the log retention sees the commits made meanwhile, though the
+    clean-up deleted the commit files right after the version it holds."""
+    path = tmp_path / "table"
+    rows = pa.table({"step": pa.array([1], pa.int64())})
+    open_or_create(path, rows.schema)
+    held = HeldTable(path)
+    assert held.get().version() == 0
+    for _ in range(25):
+        write_deltalake(str(path), rows, mode="append")
+    log = path / "_delta_log"
+    an_hour_ago = time.time() - 3600  # past the tables' log retention
+    for file in log.iterdir():
+        os.utime(file, (an_hour_ago, an_hour_ago))
+    DeltaTable(str(path)).cleanup_metadata()  # what maintenance's clean_logs does
+    assert not (log / f"{1:020d}.json").exists()
+    assert has_commit_after(path, 0) and has_commit_after(path, None)
+    assert not has_commit_after(path, 25)
+    table = held.get()
+    assert table.version() == 25 and table.to_pyarrow_table().num_rows == 25
 
 
 def test_a_table_dataset_reads_what_delta_lake_reads_skipping_files_by_statistics(

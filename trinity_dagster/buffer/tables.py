@@ -96,10 +96,25 @@ def _commit_file(location: str | Path, version: int) -> Path:
 def has_commit_after(location: str | Path, version: int | None) -> bool:
     """Whether the Delta table at `location` has a commit newer than `version` (None: any).
 
-    A waiting reader can tell from one `stat` whether reading the table again can find
-    anything new.
+    A waiting reader can tell from one or two `stat`s whether reading the table again can find
+    anything new. The log clean-up (`maintenance.clean_logs`) deletes commit files that a log
+    checkpoint covers, so a reader whose own commit file is gone asks the checkpoint instead.
     """
-    return _commit_file(location, 0 if version is None else version + 1).exists()
+    after = -1 if version is None else version
+    if _commit_file(location, after + 1).exists():
+        return True
+    if after >= 0 and _commit_file(location, after).exists():
+        return False
+    return _checkpoint_version(location) > after
+
+
+def _checkpoint_version(location: str | Path) -> int:
+    """The version of the Delta table's latest log checkpoint (-1: none)."""
+    try:
+        pointer = local_path(location) / "_delta_log" / "_last_checkpoint"
+        return int(json.loads(pointer.read_text(encoding="utf-8"))["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
 
 
 @dataclass(frozen=True)
