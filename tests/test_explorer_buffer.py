@@ -80,6 +80,37 @@ def test_the_loop_writes_the_sft_demonstrations_without_loading_torch(tmp_path: 
     assert stored.column("explorer_id").unique().to_pylist() == ["demonstrations"]
 
 
+def test_the_first_step_that_generates_loads_torch_only_once_its_weights_came(
+    tmp_path: Path,
+) -> None:
+    """Waiting for the weights of its first RL step (training the warm-up meanwhile), the
+    loop has still not imported torch: the import would take a core from those steps."""
+    overrides = {
+        "run_root": str(tmp_path / "run"),
+        "trainer.sft_warmup_steps": 2,
+        "trainer.total_steps": 4,
+        "synchronizer.sync_timeout": 0.5,
+    }
+    code = (
+        "import sys\n"
+        "from trinity_dagster.config import load_config\n"
+        "from trinity_dagster.explorer.loop import ExplorerLoop\n"
+        f"loop = ExplorerLoop(load_config(None, {overrides!r}))\n"
+        "try:\n"
+        "    loop.run(1, 3)\n"
+        "except TimeoutError as err:\n"
+        "    print(err)\n"
+        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "explore step 3 needs weights version >= 2; none came within "
+        "synchronizer.sync_timeout (0.5 s)",
+        "[]",
+    ]
+
+
 def test_the_explorers_rows_go_to_the_writer_as_one_table_with_the_same_outcome(
     tmp_path: Path,
 ) -> None:

@@ -35,7 +35,8 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.tasks import Task, TaskSet, load_taskset
 from trinity_dagster.tokenizer import decode_response, encode_prompt, load_tokenizer
 from trinity_dagster.weight_sync.announce import announced_version
-from trinity_dagster.weight_sync.receiver import Received, WeightSyncError, receive_weights
+from trinity_dagster.weight_sync.errors import WeightSyncError
+from trinity_dagster.weight_sync.receiver import Received, receive_weights
 
 
 def derive_seed(*parts: object) -> int:

@@ -54,6 +54,7 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.tasks import load_taskset
 from trinity_dagster.torch_threads import explorer_torch_threads
 from trinity_dagster.weight_sync.announce import announced_version
+from trinity_dagster.weight_sync.errors import WeightSyncError
 
 if TYPE_CHECKING:
     from trinity_dagster.explorer.explorer import Explorer
@@ -220,8 +221,6 @@ class ExplorerLoop:
         A collective transfer that fails (the engine service died before or during it, a
         damaged bucket) is tried again with the weights then available, up to `RECEIVE_TRIES` times.
         """
-        from trinity_dagster.weight_sync.receiver import WeightSyncError
-
         for attempt in range(1, RECEIVE_TRIES + 1):
             waited = self._wait_for_weights(step)
             if isinstance(waited, str):

@@ -23,6 +23,7 @@ import torch
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service_api.state import read_state, read_token
 from trinity_dagster.weight_sync.buckets import Layout, TensorSlot, checksum, tensor_view
+from trinity_dagster.weight_sync.errors import WeightSyncError
 from trinity_dagster.weight_sync.group import (
     join_store,
     local_address_towards,
@@ -32,10 +33,6 @@ from trinity_dagster.weight_sync.group import (
 from trinity_dagster.weight_sync.sender import OK, RESULT_KEY
 
 log = logging.getLogger(__name__)
-
-
-class WeightSyncError(RuntimeError):
-    """A collective transfer failed or delivered weights that do not check out."""
 
 
 @dataclass(frozen=True)
