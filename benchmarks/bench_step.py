@@ -15,6 +15,10 @@ consecutive `train_step[N]` materialisations; medians are over the GRPO steps af
   evaluations, stopping the daemon (goal <= 10 s);
 - `peak_pss_mb`: the largest summed PSS of this process, all it started and the engine
   service, sampled every 2 s (goal <= 1,200 MB), and `pss_at_peak_mb`, its parts;
+- `start_cpu_s`: the CPU seconds each of those processes used before the first trained step
+  (run workers named by their job; those under 0.05 s left out), `start_cpu_total_s` their
+  sum, and `start_idle_core_s` what the machine's cores left unused meanwhile (cores x
+  `first_step_s` - the sum): a start that waits on one process at a time leaves cores idle;
 - `parts`: medians of the attributable non-compute parts: `read_experience` (trainer pins the
   batch), `engine_load_batch` (the engine reads it), `http_round_trip` (`train_step` call
   minus engine load and compute), `sync_weight`, `wait_weights` (explorer waits for the
@@ -29,6 +33,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -38,6 +43,7 @@ from statistics import median
 from typing import Any
 
 from benchmarks.bench_daemon import run_isolated, step_times, train_metadata
+from benchmarks.process_cpu import CpuTimeline
 from benchmarks.process_memory import PeakPss
 from trinity_dagster.commands.daemon_control import engine_processes
 from trinity_dagster.config import load_config
@@ -104,7 +110,8 @@ def run_method(
         stdout, sys.stdout = sys.stdout, sys.stderr  # stdout ends with one JSON line
         try:
             memory = PeakPss(extra=lambda: engine_processes(paths)) if sample_memory else None
-            with memory or contextlib.nullcontext():
+            cpu = CpuTimeline(extra=lambda: engine_processes(paths))
+            with memory or contextlib.nullcontext(), cpu:
                 run_training(config, REPO_ROOT / "workspace.yaml")
         finally:
             sys.stdout = stdout
@@ -130,6 +137,7 @@ def run_method(
     def explorer(name: str) -> list[float]:
         return [float(rollouts[s][name]) for s in steady if name in rollouts.get(s, {})]
 
+    start_cpu = _start_cpu(cpu, instance, started, trained[1])
     train = [float(m["time/train_step"]) for m in metrics]
     load = [float(m.get("time/load_batch", 0.0)) for m in metrics]
     calls = trainer("time/train_step_call")
@@ -143,6 +151,11 @@ def run_method(
         "compute_s": round(compute_s, 4),
         "overhead_s": round(step_s - compute_s, 4),
         "first_step_s": round(trained[1] - started, 2),
+        "start_cpu_s": start_cpu,
+        "start_cpu_total_s": round(sum(start_cpu.values()), 2),
+        "start_idle_core_s": round(
+            len(os.sched_getaffinity(0)) * (trained[1] - started) - sum(start_cpu.values()), 2
+        ),
         "end_s": round(ended - trained[total], 2),
         **(
             {"peak_pss_mb": round(memory.peak_mb), "pss_at_peak_mb": memory.at_peak}
@@ -164,6 +177,26 @@ def run_method(
         },
         "step_walls_s": [round(w, 3) for w in walls],
     }
+
+
+def _start_cpu(
+    cpu: CpuTimeline, instance: Any, started: float, first_step: float
+) -> dict[str, float]:
+    """CPU seconds each process used from `started` to `first_step` by label (a run worker
+    by its run's job), largest first, those of 0.05 s or more."""
+    from assets.sensors import worker_pid
+
+    labels = dict(cpu.labels)
+    for run in instance.get_runs():
+        pid = worker_pid(instance, run)
+        if pid is not None:
+            labels[pid] = f"run worker ({run.job_name})"
+    used: dict[str, float] = {}
+    for pid, seconds in cpu.used_between(started, first_step).items():
+        label = labels.get(pid, str(pid))
+        used[label] = used.get(label, 0.0) + seconds
+    ranked = sorted(used.items(), key=lambda item: -item[1])
+    return {label: round(seconds, 2) for label, seconds in ranked if seconds >= 0.05}
 
 
 def main() -> None:

@@ -20,14 +20,14 @@ def pss_by_process(processes: list[psutil.Process]) -> dict[str, float]:
     for process in processes:
         try:
             pss = process.memory_full_info().pss / 2**20
-            label = f"{process.pid} {_label(process.cmdline())}"
+            label = f"{process.pid} {process_label(process.cmdline())}"
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         found[label] = round(pss, 1)
     return found
 
 
-def _label(cmdline: list[str]) -> str:
+def process_label(cmdline: list[str]) -> str:
     """The program and its first arguments, paths shortened to their last part."""
     words = [word.rsplit("/", 1)[-1] for word in cmdline[:6] if not word.startswith("--")]
     return " ".join(words)[:90]

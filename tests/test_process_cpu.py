@@ -1,0 +1,27 @@
+"""The benchmarks' CPU sampler: each process's CPU seconds between two wall-clock times."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from benchmarks.process_cpu import CpuTimeline
+
+BURN = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 0.4: pass\n"
+
+
+def test_cpu_of_a_child_is_counted_in_the_window_it_used_it() -> None:
+    with CpuTimeline(interval_s=0.02) as cpu:
+        time.sleep(0.1)
+        before = time.time()
+        child = subprocess.Popen([sys.executable, "-c", BURN + "time.sleep(0.3)"])
+        time.sleep(0.1)  # sampled while it burns
+        child.wait()
+        after = time.time()
+        time.sleep(0.1)
+    burned = cpu.used_between(before, after)[child.pid]
+    assert 0.3 <= burned <= 0.8  # its 0.4 s of burning and its interpreter's start
+    assert "python" in cpu.labels[child.pid] and "-c" in cpu.labels[child.pid]
+    assert cpu.used_between(after, time.time()).get(child.pid, 0.0) == 0.0  # ended: no more
+    assert cpu.used_between(0.0, before).get(child.pid, 0.0) == 0.0  # not started yet
