@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from types import TracebackType
 
 import psutil
+
+from benchmarks.process_sampler import ProcessSampler, process_label
 
 
 def pss_by_process(processes: list[psutil.Process]) -> dict[str, float]:
@@ -27,13 +27,7 @@ def pss_by_process(processes: list[psutil.Process]) -> dict[str, float]:
     return found
 
 
-def process_label(cmdline: list[str]) -> str:
-    """The program and its first arguments, paths shortened to their last part."""
-    words = [word.rsplit("/", 1)[-1] for word in cmdline[:6] if not word.startswith("--")]
-    return " ".join(words)[:90]
-
-
-class PeakPss:
+class PeakPss(ProcessSampler):
     """Within: samples the PSS of this process, its descendants and `extra()` every
     `interval_s`; `peak_mb` is the largest sum seen and `at_peak` its parts by process.
 
@@ -43,36 +37,14 @@ class PeakPss:
     """
 
     def __init__(
-        self,
-        extra: Callable[[], list[psutil.Process]] = list,
-        interval_s: float = 2.0,
+        self, extra: Callable[[], list[psutil.Process]] = list, interval_s: float = 2.0
     ) -> None:
-        self._extra = extra
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        super().__init__(extra, interval_s)
         self.peak_mb = 0.0
         self.at_peak: dict[str, float] = {}
 
-    def __enter__(self) -> PeakPss:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        me = psutil.Process()
-        while not self._stop.is_set():
-            found = {p.pid: p for p in [me, *me.children(recursive=True), *self._extra()]}
-            parts = pss_by_process(list(found.values()))
-            total = sum(parts.values())
-            if total > self.peak_mb:
-                self.peak_mb, self.at_peak = total, parts
-            self._stop.wait(self._interval_s)
+    def take(self, processes: list[psutil.Process]) -> None:
+        parts = pss_by_process(processes)
+        total = sum(parts.values())
+        if total > self.peak_mb:
+            self.peak_mb, self.at_peak = total, parts
