@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import fcntl
 import json
+import multiprocessing
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +46,60 @@ def create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:
     with open(paths.initial_weights_lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _create_initial_model(config, paths)
+
+
+def create_initial_model_apart(config: TrinityConfig, paths: RunPaths) -> Path:
+    """`create_initial_model`, made by a forked child process when there is anything to make,
+    so that what making it imports stays out of this process: transformers' model classes and
+    with them torch's compiler stack (43 MB and about 1 s in an engine rank, which never uses
+    them again). Its errors are raised here. Call it before this process starts threads; a
+    process that initialised CUDA, which a forked child cannot use, makes it itself.
+    """
+    if _is_made(paths) or torch.cuda.is_initialized():
+        return create_initial_model(config, paths)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_create_in_child, args=(config, paths, send), name="initial-weights"
+    )
+    child.start()
+    send.close()
+    try:
+        outcome = receive.recv()
+    except EOFError:
+        outcome = RuntimeError(
+            f"making weights version 0 under {paths.root} failed: its process exited with "
+            f"{child.exitcode} before it reported"
+        )
+    finally:
+        receive.close()
+        child.join()
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return Path(outcome)
+
+
+def _is_made(paths: RunPaths) -> bool:
+    """Whether version 0, the saved tokenizer and the weights marker are all there."""
+    return (
+        is_complete_hf_dir(published_weights_dir(paths, 0))
+        and (paths.tokenizer / "tokenizer_config.json").is_file()
+        and latest_weights_version(paths) is not None
+    )
+
+
+def _create_in_child(config: TrinityConfig, paths: RunPaths, send: Any) -> None:
+    """The child of `create_initial_model_apart`: sends the directory made, or the error."""
+    torch.set_num_threads(1)  # no thread pool of the parent's is used after the fork
+    try:
+        send.send(str(create_initial_model(config, paths)))
+    except BaseException as err:  # reported to the parent, which raises it
+        try:
+            send.send(err)
+        except Exception:  # an error that does not pickle: its type and message
+            send.send(RuntimeError(f"{type(err).__name__}: {err}"))
+    finally:
+        send.close()
 
 
 def _create_initial_model(config: TrinityConfig, paths: RunPaths) -> Path:

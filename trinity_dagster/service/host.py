@@ -38,7 +38,7 @@ from trinity_dagster import faults
 from trinity_dagster.buffer.reader import StepBatches, StepNotPinnedError, to_tensors
 from trinity_dagster.buffer.sampler import sampler_state
 from trinity_dagster.checkpoint.hf_dir import hf_dir_written
-from trinity_dagster.checkpoint.initial_weights import create_initial_model
+from trinity_dagster.checkpoint.initial_weights import create_initial_model_apart
 from trinity_dagster.checkpoint.layout import (
     HF_SUBDIR,
     advance_checkpoint_marker,
@@ -125,8 +125,9 @@ class EngineHost:
         self._record_flush = BackgroundFsync("record-fsync")
 
     def _initial_weights(self) -> Path:
-        """Version 0 of the weights (created once)."""
-        return create_initial_model(self.config, self.paths)
+        """Version 0 of the weights (created once, by a child process: see
+        `create_initial_model_apart`)."""
+        return create_initial_model_apart(self.config, self.paths)
 
     # --- command loop interface -------------------------------------------------------
     def broadcast(self, command: dict[str, Any] | None) -> dict[str, Any]:
