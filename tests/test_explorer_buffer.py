@@ -56,21 +56,29 @@ def test_rows_are_accepted_by_the_writer_and_read_back(tmp_path: Path) -> None:
     assert sorted(pinned.eids) == sorted(r["eid"] for r in explored + demos[:20])
 
 
+def loop_in_a_fresh_process(overrides: dict[str, object], run: str) -> list[str]:
+    """The output lines of a fresh interpreter that makes `loop`, an `ExplorerLoop` of the
+    config `overrides`, runs the statements `run` and prints which of torch and transformers'
+    model classes it imported by then."""
+    code = (
+        "import sys\n"
+        "from trinity_dagster.config import load_config\n"
+        "from trinity_dagster.explorer.loop import ExplorerLoop\n"
+        f"loop = ExplorerLoop(load_config(None, {overrides!r}))\n"
+        f"{run}\n"
+        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
 def test_the_loop_writes_the_sft_demonstrations_without_loading_torch(tmp_path: Path) -> None:
     """Demonstrations need only the tokenizer, so the SFT warm-up's explore steps are written
     (and training can start) before the explorer process has spent seconds importing torch."""
     root = tmp_path / "run"
     overrides = {"run_root": str(root), "trainer.sft_warmup_steps": 2, "trainer.total_steps": 4}
-    code = (
-        "import sys\n"
-        "from trinity_dagster.config import load_config\n"
-        "from trinity_dagster.explorer.loop import ExplorerLoop\n"
-        f"print(ExplorerLoop(load_config(None, {overrides!r})).run(1, 2))\n"
-        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
+    assert loop_in_a_fresh_process(overrides, "print(loop.run(1, 2))") == [
         "explored up to step 2, the end of the requested range",
         "[]",
     ]
@@ -91,20 +99,8 @@ def test_the_first_step_that_generates_loads_torch_only_once_its_weights_came(
         "trainer.total_steps": 4,
         "synchronizer.sync_timeout": 0.5,
     }
-    code = (
-        "import sys\n"
-        "from trinity_dagster.config import load_config\n"
-        "from trinity_dagster.explorer.loop import ExplorerLoop\n"
-        f"loop = ExplorerLoop(load_config(None, {overrides!r}))\n"
-        "try:\n"
-        "    loop.run(1, 3)\n"
-        "except TimeoutError as err:\n"
-        "    print(err)\n"
-        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
+    run = "try:\n    loop.run(1, 3)\nexcept TimeoutError as err:\n    print(err)"
+    assert loop_in_a_fresh_process(overrides, run) == [
         "explore step 3 needs weights version >= 2; none came within "
         "synchronizer.sync_timeout (0.5 s)",
         "[]",
