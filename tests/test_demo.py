@@ -1,11 +1,15 @@
 """The README's main command, end to end: SFT then GRPO through Dagster, reward rises."""
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import dagster as dg
+import psutil
 import pytest
 import torch
 from deltalake import DeltaTable
@@ -31,24 +35,37 @@ MIN_REWARD_RISE_SE = 3.0
 MIN_HELD_OUT = 200
 
 
+def code_servers_seen(command: subprocess.Popen) -> set[int]:
+    """The pids of the Dagster code servers (`dagster api grpc`) among `command`'s
+    descendants, sampled every second until it ends."""
+    seen: set[int] = set()
+    while command.poll() is None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(command.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if "api grpc" in " ".join(child.cmdline()):
+                        seen.add(child.pid)
+        time.sleep(1.0)
+    return seen
+
+
 @pytest.mark.slow
 def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     root = tmp_path / "demo"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trinity_dagster.cli",
-            "demo",
-            "--root",
-            str(root),
-        ],
+    with subprocess.Popen(
+        [sys.executable, "-m", "trinity_dagster.cli", "demo", "--root", str(root)],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=1200,
-    )
+    ) as demo:
+        with ThreadPoolExecutor(1) as pool:
+            servers = pool.submit(code_servers_seen, demo)
+            stdout, stderr = demo.communicate(timeout=1200)
+        done = subprocess.CompletedProcess(demo.args, demo.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # one code server for the whole run (the daemon replaced its own every minute)
+    assert len(servers.result()) == 1, servers.result()
     assert "dagster dev -w workspace.yaml" in done.stdout
     summary = json.loads((root / "summary.json").read_text())
     seen = f"{summary}\n{done.stdout[-3000:]}"  # what a failed assertion shows

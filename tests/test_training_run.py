@@ -17,6 +17,7 @@ import pytest
 import trinity_dagster.commands.training_run as training_run
 from tests.support.dagster_dev import REPO_ROOT, processes_with_env
 from trinity_dagster.commands import daemon_control
+from trinity_dagster.commands.code_server import CodeServers
 from trinity_dagster.commands.daemon_control import (
     engine_processes,
     find_workspace,
@@ -39,6 +40,8 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
 from trinity_dagster.service_api.state import read_state
 from trinity_dagster.testing import tiny_config
+
+NO_SERVERS = CodeServers(workspace=Path("workspace.yaml"))  # for `_watch`: none to watch
 
 
 def test_a_run_that_stopped_early_is_extended_and_a_complete_one_is_kept(
@@ -172,7 +175,7 @@ def test_stopping_a_run_ends_the_daemon_its_workers_and_an_engine_still_starting
         assert sorted(p.pid for p in engine_processes(paths)) == sorted(p.pid for p in engine)
         assert read_state(paths) is None  # still starting: no state file names it
 
-        stop_run(daemon, paths)
+        stop_run(daemon, [], paths)
 
         assert daemon.returncode is not None and gone(worker)
         for process in engine:
@@ -332,7 +335,7 @@ def test_run_says_once_that_training_is_paused(
             if polls["n"] == 5:  # the user resumed, and training went on to its end
                 write_trainer_state(paths, "finished", 4, "trained all 4 steps")
 
-    training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]
+    training_run._watch(_QuietProgress(config), Daemon(), NO_SERVERS, paths)  # type: ignore[arg-type]
     lines = [line for line in capsys.readouterr().out.splitlines() if "paused" in line]
     assert lines == [
         "trinity-dagster: training is paused at step 2 (paused by request r1.pause.now at "
@@ -365,7 +368,7 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
         weakref.finalize(thing, daemon_control._raise_stopped, signal.SIGTERM, None)
         del thing
         with pytest.raises(StoppedBySignal) as stopped:
-            training_run._watch(_QuietProgress(config), Daemon(), paths)  # type: ignore[arg-type]
+            training_run._watch(_QuietProgress(config), Daemon(), NO_SERVERS, paths)  # type: ignore[arg-type]
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert reported == []
 

@@ -202,6 +202,11 @@ class RunPaths:
         return self.logs / "dagster-daemon.log"
 
     @property
+    def code_server_log(self) -> Path:
+        """The log of the Dagster code servers that `trinity-dagster run` starts."""
+        return self.logs / "code-server.log"
+
+    @property
     def metrics_jsonl(self) -> Path:
         """The `jsonl` tracking backend's metrics, one line per step."""
         return self.logs / "metrics.jsonl"

@@ -1,14 +1,15 @@
 """A whole training run driven by the Dagster daemon, for `trinity-dagster demo` and `run`.
 
 The command prepares the run's Dagster instance under `run_root/dagster_home` (the settings
-of `trinity_dagster.dagster_instance`), starts `dagster-daemon run` headless on the
-workspace, and watches the instance: the daemon's sensors start the trainer and explorer
-loops and the evaluations, exactly as under `dagster dev`. It prints one line per recorded
-explore and train step, fails with the cause when a run fails for good, and ends when the
-trainer finished, the final weights are evaluated and `trained_exactly_once` has checked the
-run's lineage (a failed check fails the command). `dagster dev` on the same instance
-shows the whole history afterwards. SIGINT or SIGTERM stops the daemon, its run workers and
-the run root's engine service (also one still starting) before the command exits.
+of `trinity_dagster.dagster_instance`), starts the workspace's code server itself
+(`code_server`) and `dagster-daemon run` headless on it, and watches the instance: the
+daemon's sensors start the trainer and explorer loops and the evaluations, exactly as under
+`dagster dev`. It prints one line per recorded explore and train step, fails with the cause
+when a run fails for good, and ends when the trainer finished, the final weights are
+evaluated and `trained_exactly_once` has checked the run's lineage (a failed check fails the
+command). `dagster dev` on the same instance shows the whole history afterwards. SIGINT or
+SIGTERM stops the daemon, the code server with its run workers and the run root's engine
+service (also one still starting) before the command exits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trinity_dagster.commands.code_server import (
+    CodeServers,
+    exited_code_server,
+    remove_sockets,
+    start_code_servers,
+    wait_until_serving,
+)
 from trinity_dagster.commands.daemon_control import (
     dagster_dev_command,
     find_workspace,
@@ -120,17 +128,22 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     instance = dg.DagsterInstance.get()
     progress = Progress(instance, config)
     engine_launched: threading.Event | None = None
+    servers: CodeServers | None = None
     daemon: subprocess.Popen | None = None
     try:  # a stop signal may come at any point from here: stop whatever has started
         with stop_signals_deferred():
             engine_launched = start_engine_early(config)
-            daemon = start_daemon(paths, workspace_file)
-        final_version, scored, lineage = _watch(progress, daemon, paths)
+            servers = start_code_servers(paths, workspace_file)
+            daemon = start_daemon(paths, servers, workspace_file.parent)
+        wait_until_serving(servers, paths)
+        final_version, scored, lineage = _watch(progress, daemon, servers, paths)
     finally:
         ignore_stop_signals()
         if engine_launched is not None:
             engine_launched.wait(timeout=ENGINE_LAUNCH_WAIT_S)
-        stop_run(daemon, paths)
+        stop_run(daemon, servers.processes if servers else [], paths)
+        if servers is not None:
+            remove_sockets(servers)
     state = read_trainer_state(paths)
     assert state is not None
     evaluations = {"start": scored[0], "end": scored[final_version]}
@@ -208,7 +221,7 @@ def start_engine_early(config: TrinityConfig) -> threading.Event:
 
 
 def _watch(
-    progress: Progress, daemon: subprocess.Popen, paths: RunPaths
+    progress: Progress, daemon: subprocess.Popen, servers: CodeServers, paths: RunPaths
 ) -> tuple[int, dict[int, dict[str, Any]], dict[str, Any]]:
     """Print progress until training finished and its evaluations and lineage check are
     recorded; returns the final weights version, the evaluation metadata by weights version
@@ -229,6 +242,11 @@ def _watch(
         if daemon.poll() is not None:
             raise TrainingRunError(
                 f"dagster-daemon exited with {daemon.returncode}; see {paths.daemon_log}"
+            )
+        if (server := exited_code_server(servers)) is not None:
+            raise TrainingRunError(
+                f"the Dagster code server exited with {server.returncode}; "
+                f"see {paths.code_server_log}"
             )
         state = read_trainer_state(paths)
         if state is not None and state.state == "paused" and state.updated_at != paused_seen:
