@@ -7,7 +7,7 @@ runs go on for the whole training: from the first minute on the run held two or 
 servers (over 200 MB each) and paid a fresh server's start (2-3 CPU-seconds) every minute.
 The command starts one server per location instead, on a Unix socket, and hands the daemon a
 workspace naming those sockets (as `dagster dev` does for its daemon): the daemon then
-reconnects to it and starts none. Code changed while a training runs takes effect in the
+connects to them and starts none. Code changed while a training runs takes effect in the
 next `trinity-dagster run`.
 """
 
