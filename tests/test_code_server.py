@@ -52,7 +52,7 @@ def test_the_daemons_workspace_loads_the_code_location_from_the_server_started_h
         remove_sockets(servers)
     assert exited_code_server(servers) is server
     assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == "zombie"
-    assert servers.sockets_dir is not None and not servers.sockets_dir.exists()
+    assert not servers.sockets_dir.exists()
 
 
 def test_a_code_server_that_exits_while_starting_is_named_with_its_log(tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ from trinity_dagster.service.processes import AGENT_MODULE, RANK_MODULE
 from trinity_dagster.service_api.state import read_state
 from trinity_dagster.testing import tiny_config
 
-NO_SERVERS = CodeServers(workspace=Path("workspace.yaml"))  # for `_watch`: none to watch
+# for `_watch`: no code server to watch
+NO_SERVERS = CodeServers(workspace=Path("workspace.yaml"), sockets_dir=Path("sockets"))
 
 
 def test_a_run_that_stopped_early_is_extended_and_a_complete_one_is_kept(

@@ -40,9 +40,9 @@ class CodeServers:
     run workers it starts), the daemon's workspace file naming them, and their sockets."""
 
     workspace: Path
+    sockets_dir: Path
     processes: list[subprocess.Popen] = field(default_factory=list)
     sockets: list[Path] = field(default_factory=list)
-    sockets_dir: Path | None = None
 
 
 def workspace_origins(workspace: Path) -> list[Any]:
@@ -88,8 +88,10 @@ def start_code_servers(paths: RunPaths, workspace: Path) -> CodeServers:
 
     origins = workspace_origins(workspace)
     # a Unix socket's path is limited to about 100 characters: not under the run root
-    servers = CodeServers(workspace=paths.dagster_home / "workspace.yaml")
-    servers.sockets_dir = Path(tempfile.mkdtemp(prefix="trinity-dagster-"))
+    servers = CodeServers(
+        workspace=paths.dagster_home / "workspace.yaml",
+        sockets_dir=Path(tempfile.mkdtemp(prefix="trinity-dagster-")),
+    )
     paths.logs.mkdir(parents=True, exist_ok=True)
     load_from = []
     for index, origin in enumerate(origins):
@@ -99,11 +101,7 @@ def start_code_servers(paths: RunPaths, workspace: Path) -> CodeServers:
         name = origin.location_name
         sock = servers.sockets_dir / f"{index}.sock"
         command = [
-            *(
-                [origin.loadable_target_origin.executable_path]
-                if origin.loadable_target_origin.executable_path
-                else [sys.executable]
-            ),
+            origin.loadable_target_origin.executable_path or sys.executable,
             *["-m", "dagster", "api", "grpc", "--lazy-load-user-code"],
             *["--socket", str(sock), "--location-name", name],
             *origin.loadable_target_origin.get_cli_args(),
@@ -173,5 +171,4 @@ def exited_code_server(servers: CodeServers) -> subprocess.Popen | None:
 
 def remove_sockets(servers: CodeServers) -> None:
     """Remove the servers' socket directory (once they are stopped)."""
-    if servers.sockets_dir is not None:
-        shutil.rmtree(servers.sockets_dir, ignore_errors=True)
+    shutil.rmtree(servers.sockets_dir, ignore_errors=True)
