@@ -27,8 +27,7 @@ from trinity_dagster.graph_names import (
     TRAIN,
     TRAINED_EXACTLY_ONCE,
 )
-from trinity_dagster.lineage.ledger import update_ledger
-from trinity_dagster.lineage.queries import LedgerView, checkpoint_lineage
+from trinity_dagster.lineage.checkpoint_summary import read_summary, write_summary
 from trinity_dagster.lineage.verify import verify_trained_once
 from trinity_dagster.paths import RunPaths
 
@@ -79,17 +78,17 @@ def step_upstream(
 
 
 def checkpoint_upstream(paths: RunPaths, step: int) -> dict[str, Any]:
-    """`upstream/*` and `lineage/*` metadata of `checkpoint[N]`, from the ledger."""
-    update_ledger(paths)
-    answer = checkpoint_lineage(LedgerView.open(paths), step)
-    gaps = sorted(set(answer["missing_steps"] + answer["steps_without_record"]))
+    """`upstream/*` and `lineage/*` metadata of `checkpoint[N]`, from the summary the trainer
+    stored when it saved N (computed from the ledger if there is none)."""
+    summary = read_summary(paths, step) or write_summary(paths, step)
+    gaps = summary["gaps"]
     return {
         "upstream/train_step": partition_url(TRAIN, step),
-        "upstream/weights_versions": weights_table(answer["by_weights_version"]),
+        "upstream/weights_versions": weights_table(summary["by_weights_version"]),
         "lineage/steps": f"1..{step} from the initial model"
         + (f"; gaps at {gaps}" if gaps else ", no gap"),
-        "lineage/experiences_trained": answer["experiences_trained"],
-        "lineage/staleness_max": answer["staleness_max"],
+        "lineage/experiences_trained": summary["experiences_trained"],
+        "lineage/staleness_max": summary["staleness_max"],
     }
 
 

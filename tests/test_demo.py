@@ -97,6 +97,14 @@ def test_demo_learns_through_dagster(tmp_path: Path) -> None:
     # every experience came from a version of the weights that was published to explorers
     with dg.DagsterInstance.from_config(str(root / "dagster_home")) as instance:
         synced = instance.get_materialized_partitions(dg.AssetKey("synced_weights"))
+        recorded = instance.get_materialized_partitions(dg.AssetKey("checkpoint"))
+    # the trainer summed up each checkpoint's lineage as it saved it, for the sensor to record
+    summaries = {
+        int(path.stem.removeprefix("step_")): json.loads(path.read_text())
+        for path in (root / "logs" / "checkpoint_lineage").glob("step_*.json")
+    }
+    assert {int(key) for key in recorded} <= set(summaries) and STEPS in summaries, summaries
+    assert summaries[STEPS]["experiences_trained"] == lineage["experiences_trained"], seen
     published = {0} | {int(key) for key in synced}
     experiences = DeltaTable(str(root / "experiences")).to_pyarrow_table(columns=["model_version"])
     versions = set(experiences.column("model_version").to_pylist())

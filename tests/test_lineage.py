@@ -8,6 +8,7 @@ steps), steps pinned by `pin_batch`, engine records written as the engine writes
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,12 +19,14 @@ import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
 
+from assets.lineage import checkpoint_upstream
 from tests.support.buffer import buffer_config, make_row, make_rows
 from trinity_dagster import cli
 from trinity_dagster.buffer.sampler import pin_batch
 from trinity_dagster.buffer.writer import ExperienceWriter
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.lineage import ledger
+from trinity_dagster.lineage.checkpoint_summary import read_summary, summary_path, write_summary
 from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.lineage.verify import verify_trained_once
 from trinity_dagster.paths import RunPaths
@@ -152,6 +155,31 @@ def test_updates_are_incremental_and_concurrent_ones_add_each_row_once(
     )
     rollouts = DeltaTable(paths.ledger_rollouts).to_pyarrow_table()
     assert sorted(rollouts.column("explore_step").to_pylist()) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_summary_is_stored_once_and_read_back_without_the_tables(
+    run: TrinityConfig,
+) -> None:
+    paths = RunPaths.of_config(run)
+    assert read_summary(paths, 2) is None
+    stored = write_summary(paths, 2)
+    assert stored == {
+        "step": 2,
+        "by_weights_version": {0: 4, 1: 4},
+        "gaps": [],
+        "experiences_trained": 8,
+        "staleness_max": 0,
+    }
+    assert read_summary(paths, 2) == stored
+    # what records checkpoint[2] in Dagster reads the summary, not the Delta tables
+    shutil.rmtree(paths.root / "batches")
+    metadata = checkpoint_upstream(paths, 2)
+    assert metadata["lineage/steps"] == "1..2 from the initial model, no gap"
+    assert metadata["lineage/experiences_trained"] == 8
+    assert "partition=000001)" in metadata["upstream/weights_versions"].value
+    # a torn summary counts as none
+    summary_path(paths, 2).write_text('{"step": 2, "by_w')
+    assert read_summary(paths, 2) is None
 
 
 def test_the_steps_table_is_compacted_as_it_grows(

@@ -192,6 +192,11 @@ class RunPaths:
         return self.logs / "steps"
 
     @property
+    def checkpoint_lineage(self) -> Path:
+        """The lineage of each checkpoint, summed up when it was saved."""
+        return self.logs / "checkpoint_lineage"
+
+    @property
     def engine_log(self) -> Path:
         """The engine service's log."""
         return self.logs / "engine.log"

@@ -7,9 +7,10 @@
   which explore step (when the explorer named it) wrote how many rows with which weights.
 
 Both are derived: `update_ledger` appends what `batches` and `experiences` gained since the
-last update (it reads only their new files and commits), so the ledger can always be rebuilt
-and nothing in the training loop writes it. Each update is one commit per table, made against
-the snapshot it was computed on; of two concurrent updates one wins and the other re-reads.
+last update (it reads only their new files and commits), so the ledger can always be rebuilt;
+the training loop updates it only as it saves a checkpoint (`checkpoint_summary`). Each
+update is one commit per table, made against the snapshot it was computed on; of two
+concurrent updates one wins and the other re-reads.
 The steps table is compacted once it has more than `COMPACT_AT_FILES` files, so a query reads
 a few files at any run length.
 """

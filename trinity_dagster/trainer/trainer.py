@@ -48,6 +48,8 @@ from trinity_dagster.handoff.end_of_data import end_of_data
 from trinity_dagster.handoff.sync_requests import SyncRequest, answer_requests, pending_requests
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
+from trinity_dagster.lineage.checkpoint_summary import write_summary
+from trinity_dagster.lineage.queries import LineageQueryError
 from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.monitor.event_thread import EventThread
 from trinity_dagster.paths import RunPaths
@@ -423,6 +425,7 @@ class Trainer:
         withheld = self._health_problems(step) if serves else []
         serves = serves and not withheld
         with timer(metrics, "time/save_checkpoint"):
+            self._summarize_lineage(step)
             self.engine.save_checkpoint(
                 block_until_saved=block_until_saved,
                 save_as_hf=save_as_hf or serves,
@@ -435,6 +438,16 @@ class Trainer:
             self._note_sync(metrics)
             answer_requests(self.paths, self._requests())
         return metrics
+
+    def _summarize_lineage(self, step: int) -> None:
+        """Store the lineage summary of checkpoint `step` before saving it, so that the
+        checkpoint's recorder reads it instead of the Delta tables (see
+        `lineage.checkpoint_summary`); an engine that keeps no step records leaves the
+        recorder to compute it."""
+        try:
+            write_summary(self.paths, step)
+        except LineageQueryError as err:
+            log.warning("no lineage summary for checkpoint %d: %s", step, err)
 
     def _note_sync(self, metrics: dict[str, Any]) -> None:
         """Wake the explorers waiting for weights; add `time/trainer_sync_interval`: seconds
