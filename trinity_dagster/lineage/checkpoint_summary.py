@@ -3,10 +3,10 @@
 The trainer writes the summary just before it saves step N, bringing the ledger up to date
 on the way; whatever records `checkpoint[N]` in Dagster (the sensor in the code server, or
 the run that asked for the save) then reads a small file instead of the Delta tables. So the
-code server, which runs the sensor for the whole training, neither loads the Delta and Arrow
-libraries nor grows by what their scans keep (60-80 MB for a hundred steps' batches).
-A missing or unreadable summary (a checkpoint saved by an older version, a crash between
-the two writes) is computed where it is asked for.
+code server, which runs the sensor for the whole training, does not grow by what the scans of
+those tables keep (60-80 MB for a hundred steps' batches).
+A missing or unreadable summary (a checkpoint saved by an older version, a file torn by a
+crash) is computed where it is asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from trinity_dagster.files import write_text_atomic
+from trinity_dagster.lineage.ledger import update_ledger
+from trinity_dagster.lineage.queries import LedgerView, checkpoint_lineage
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
 
@@ -40,10 +42,6 @@ def write_summary(paths: RunPaths, step: int) -> dict[str, Any]:
 
     Raises `LineageQueryError` if step `step` has not been trained.
     """
-    # imported here: a process that only reads summaries goes without Delta and Arrow
-    from trinity_dagster.lineage.ledger import update_ledger
-    from trinity_dagster.lineage.queries import LedgerView, checkpoint_lineage
-
     update_ledger(paths)
     answer = checkpoint_lineage(LedgerView.open(paths), step)
     summary = {
