@@ -49,7 +49,6 @@ from trinity_dagster.handoff.sync_requests import SyncRequest, answer_requests, 
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, STOPPED, write_trainer_state
 from trinity_dagster.handoff.wakeup import EXPLORER, TRAINER, Wakeup, wake
 from trinity_dagster.lineage.checkpoint_summary import write_summary
-from trinity_dagster.lineage.queries import LineageQueryError
 from trinity_dagster.monitor import MonitorGroup, open_monitor
 from trinity_dagster.monitor.event_thread import EventThread
 from trinity_dagster.paths import RunPaths
@@ -442,11 +441,12 @@ class Trainer:
     def _summarize_lineage(self, step: int) -> None:
         """Store the lineage summary of checkpoint `step` before saving it, so that the
         checkpoint's recorder reads it instead of the Delta tables (see
-        `lineage.checkpoint_summary`); an engine that keeps no step records leaves the
-        recorder to compute it."""
+        `lineage.checkpoint_summary`). The save goes ahead without it if it fails (an engine
+        that keeps no step records, a ledger commit that lost to concurrent ones every
+        time): the recorder then computes it, and fails there with the cause if it must."""
         try:
             write_summary(self.paths, step)
-        except LineageQueryError as err:
+        except Exception as err:  # the checkpoint matters more than its metadata
             log.warning("no lineage summary for checkpoint %d: %s", step, err)
 
     def _note_sync(self, metrics: dict[str, Any]) -> None:
