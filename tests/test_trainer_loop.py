@@ -28,7 +28,9 @@ from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.handoff.end_of_data import mark_end_of_data
 from trinity_dagster.handoff.sync_requests import is_answered, pending_requests, request_sync
 from trinity_dagster.handoff.trainer_state import DATA_ENDED, read_trainer_state
+from trinity_dagster.lineage.checkpoint_summary import read_summary
 from trinity_dagster.paths import RunPaths
+from trinity_dagster.service_api.records import write_record
 from trinity_dagster.testing import fill_buffer
 from trinity_dagster.trainer import SyncWithheldError, Trainer
 
@@ -107,6 +109,46 @@ def test_schedule_of_saves_and_syncs(
     assert (state.state, state.step) == ("finished", total_steps)
     assert state.finished(total_steps)
     assert engine.prepared >= 1 and engine.closed == 1
+
+
+class RecordingEngine(FakeEngine):
+    """Writes each step's record as the engine service does, and notes at each save which
+    lineage summaries were on disk."""
+
+    def __init__(self, paths: RunPaths) -> None:
+        super().__init__()
+        self.paths = paths
+        self.summaries_at_save: dict[int, dict[str, Any] | None] = {}
+
+    def train_step(self, batch: PinResult, *, publish: bool = False) -> dict[str, Any]:
+        record = super().train_step(batch, publish=publish)
+        write_record(self.paths, record)
+        return record
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.summaries_at_save[self.step] = read_summary(self.paths, self.step)
+        return super().save_checkpoint(*args, **kwargs)
+
+
+def test_each_checkpoint_is_saved_after_its_lineage_summary(tmp_path: Path) -> None:
+    config = loop_config(tmp_path, total_steps=5, save_interval=2, read_timeout_s=5.0)
+    fill_buffer(config, 5)
+    paths = RunPaths.of(config.run_root)
+    engine = RecordingEngine(paths)
+
+    run_trainer(Trainer(config, engine=engine, hook=RecordingHook()))
+
+    rows = config.buffer.train_batch_size
+    assert engine.summaries_at_save == {
+        step: {
+            "step": step,
+            "by_weights_version": {0: step * rows},  # the buffer's rows are all of weights v0
+            "gaps": [],
+            "experiences_trained": step * rows,
+            "staleness_max": step - 1,
+        }
+        for step in (2, 4, 5)
+    }
 
 
 @pytest.mark.parametrize("save_hf", ["always", "last", "never"])
