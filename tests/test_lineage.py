@@ -28,6 +28,7 @@ from trinity_dagster.config import TrinityConfig
 from trinity_dagster.lineage import ledger
 from trinity_dagster.lineage.checkpoint_summary import read_summary, summary_path, write_summary
 from trinity_dagster.lineage.ledger import update_ledger
+from trinity_dagster.lineage.queries import LedgerView, checkpoint_lineage, checkpoint_totals
 from trinity_dagster.lineage.verify import verify_trained_once
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service_api.records import record_path, write_record
@@ -180,6 +181,21 @@ def test_a_checkpoint_summary_is_stored_once_and_read_back_without_the_tables(
     # a torn summary counts as none
     summary_path(paths, 2).write_text('{"step": 2, "by_w')
     assert read_summary(paths, 2) is None
+
+
+def test_a_checkpoint_summed_up_without_its_chain_names_the_same_gaps(
+    run: TrinityConfig,
+) -> None:
+    paths = RunPaths.of_config(run)
+    pin_batch(run, 3, force=True)  # pinned, but the engine left no record of training it
+    write_record(paths, {"step": 4, "parent_step": 3})  # trained without a pinned batch
+    update_ledger(paths)
+    view = LedgerView.open(paths)
+    full = checkpoint_lineage(view, 4)
+    assert full["missing_steps"] == [4] and full["steps_without_record"] == [3]
+    assert [entry["step"] for entry in full.pop("chain")] == [1, 2, 3]
+    assert checkpoint_totals(view, 4) == full
+    assert write_summary(paths, 4)["gaps"] == [3, 4]
 
 
 def test_the_steps_table_is_compacted_as_it_grows(

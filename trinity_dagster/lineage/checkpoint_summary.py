@@ -17,7 +17,7 @@ from typing import Any
 
 from trinity_dagster.files import write_text_atomic
 from trinity_dagster.lineage.ledger import update_ledger
-from trinity_dagster.lineage.queries import LedgerView, checkpoint_lineage
+from trinity_dagster.lineage.queries import LedgerView, checkpoint_totals
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
 
@@ -43,7 +43,7 @@ def write_summary(paths: RunPaths, step: int) -> dict[str, Any]:
     Raises `LineageQueryError` if step `step` has not been trained.
     """
     update_ledger(paths)
-    answer = checkpoint_lineage(LedgerView.open(paths), step)
+    answer = checkpoint_totals(LedgerView.open(paths), step)
     summary = {
         "step": step,
         "by_weights_version": answer["by_weights_version"],
