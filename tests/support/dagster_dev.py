@@ -6,6 +6,7 @@ process group, so it is started in a new session and stopped by signalling the g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -144,22 +145,26 @@ class DagsterDev:
             raise GraphQLError(f"GraphQL errors: {payload['errors']}")
         return payload["data"]
 
-    def stop(self, timeout_s: float = 60) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after `timeout_s`."""
+    def stop(self, timeout_s: float = 60, grace_s: float = 10) -> None:
+        """Stop the whole process group: SIGTERM; once `dagster dev` itself has ended (or
+        `timeout_s` passed), SIGKILL whatever of the group outlives it by `grace_s` (a code
+        server that `dagster dev` restarted while shutting down waits 45 s for a heartbeat
+        before it ends on its own)."""
         if self.process is None:
             return
         pgid = self.process.pid
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and _group_alive(pgid):
-                self.process.poll()
-                time.sleep(0.2)
-            if not _group_alive(pgid):
-                break
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            self.process.wait(timeout=10)
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=timeout_s)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
         self.process.wait(timeout=10)
 
 
