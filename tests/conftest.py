@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +36,12 @@ def no_initial_model(monkeypatch: pytest.MonkeyPatch) -> None:
     import trinity_dagster.testing as testing
 
     monkeypatch.setattr(testing, "vocab_size", lambda config: 96)
+
+
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A fresh directory with a short path, for tests whose wake-up sockets must bind: a Unix
+    socket's path holds at most 107 bytes, which pytest's `tmp_path` (deeper under a worker's
+    folder with `-n`) can exceed, and a waiter that cannot bind polls instead."""
+    with tempfile.TemporaryDirectory(prefix="td-") as directory:
+        yield Path(directory)

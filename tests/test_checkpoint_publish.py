@@ -277,8 +277,10 @@ def test_a_hold_of_a_dead_reader_does_not_count(tmp_path: Path) -> None:
     assert not (holds / "2-dead.json").exists(), "a dead reader's hold is removed"
 
 
-def test_explorers_waiting_for_weights_are_woken_when_the_marker_moves(tmp_path: Path) -> None:
-    paths = RunPaths.of(tmp_path)
+def test_explorers_waiting_for_weights_are_woken_when_the_marker_moves(
+    short_tmp_path: Path,
+) -> None:
+    paths = RunPaths.of(short_tmp_path)
     explorer = Wakeup(paths.wakeup, EXPLORER, "builtin")
     try:
         threading.Timer(0.2, _publish, args=(paths, 1, _tiny_llama(seed=1))).start()

@@ -81,11 +81,11 @@ def test_a_pin_ahead_waits_for_rows_and_is_taken_by_its_step_only(tmp_path: Path
 
 
 def test_a_pin_ahead_is_woken_by_the_commit_and_its_take_ends_its_wait(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # with a poll far longer than the test, only wake-ups can make it pin or stop in time
     monkeypatch.setattr(wakeup, "LISTENING_POLL_S", 600.0)
-    config, pinner, first = step_one_pinned(tmp_path)
+    config, pinner, first = step_one_pinned(short_tmp_path)
     paths = RunPaths.of(config.run_root)
     ahead = PinAhead(pinner, paths.experiences, paths.wakeup)
     try:

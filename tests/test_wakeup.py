@@ -25,19 +25,19 @@ from trinity_dagster.paths import RunPaths
 from trinity_dagster.testing import fill_buffer, tiny_config
 
 
-def test_a_woken_waiter_returns_at_once_and_only_its_side_is_woken(tmp_path: Path) -> None:
-    trainer = Wakeup(tmp_path, TRAINER, "loop")
-    explorer = Wakeup(tmp_path, EXPLORER, "builtin")
+def test_a_woken_waiter_returns_at_once_and_only_its_side_is_woken(short_tmp_path: Path) -> None:
+    trainer = Wakeup(short_tmp_path, TRAINER, "loop")
+    explorer = Wakeup(short_tmp_path, EXPLORER, "builtin")
     try:
-        threading.Timer(0.2, wake, args=(tmp_path, TRAINER)).start()
+        threading.Timer(0.2, wake, args=(short_tmp_path, TRAINER)).start()
         started = time.monotonic()
         trainer.wait(30.0)
         assert time.monotonic() - started < 10.0  # woken, not timed out
         started = time.monotonic()
         explorer.wait(0.3)  # the trainer's wake-up was not for it
         assert time.monotonic() - started >= 0.25
-        wake(tmp_path, EXPLORER)
-        wake(tmp_path, EXPLORER)
+        wake(short_tmp_path, EXPLORER)
+        wake(short_tmp_path, EXPLORER)
         explorer.wait(30.0)  # both wake-ups consumed at once
         started = time.monotonic()
         explorer.wait(0.3)
@@ -45,7 +45,7 @@ def test_a_woken_waiter_returns_at_once_and_only_its_side_is_woken(tmp_path: Pat
     finally:
         trainer.close()
         explorer.close()
-    assert list(tmp_path.iterdir()) == []
+    assert list(short_tmp_path.iterdir()) == []
 
 
 def test_a_socket_path_too_long_falls_back_to_polling(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_socket_path_too_long_falls_back_to_polling(tmp_path: Path) -> None:
     assert not deep.exists()
 
 
-def test_the_socket_of_a_waiter_that_died_is_removed_by_the_next_wake(tmp_path: Path) -> None:
+def test_the_socket_of_a_waiter_that_died_is_removed_by_the_next_wake(short_tmp_path: Path) -> None:
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
@@ -68,21 +68,21 @@ def test_the_socket_of_a_waiter_that_died_is_removed_by_the_next_wake(tmp_path: 
         "time.sleep(60)\n"
     )
     child = subprocess.Popen(
-        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(short_tmp_path)], stdout=subprocess.PIPE, text=True
     )
     assert child.stdout is not None and child.stdout.readline() == "listening\n"
     child.send_signal(signal.SIGKILL)
     child.wait()
-    assert len(list(tmp_path.glob("explorer.*.sock"))) == 1
-    wake(tmp_path, EXPLORER)
-    assert list(tmp_path.glob("explorer.*.sock")) == []
+    assert len(list(short_tmp_path.glob("explorer.*.sock"))) == 1
+    wake(short_tmp_path, EXPLORER)
+    assert list(short_tmp_path.glob("explorer.*.sock")) == []
 
 
 def test_a_listening_waiter_polls_rarely_and_another_thread_can_end_its_wait(
-    tmp_path: Path,
+    short_tmp_path: Path,
 ) -> None:
-    waiter = Wakeup(tmp_path, TRAINER, "pin-ahead")
-    deaf = Wakeup(tmp_path / ("d" * 120), TRAINER, "loop")
+    waiter = Wakeup(short_tmp_path, TRAINER, "pin-ahead")
+    deaf = Wakeup(short_tmp_path / ("d" * 120), TRAINER, "loop")
     try:
         assert waiter.poll_s == LISTENING_POLL_S > POLL_S == deaf.poll_s
         threading.Timer(0.2, waiter.interrupt).start()
@@ -94,12 +94,13 @@ def test_a_listening_waiter_polls_rarely_and_another_thread_can_end_its_wait(
 
 
 def test_requests_answers_commits_and_the_end_of_data_wake_whom_they_concern(
-    tmp_path: Path,
+    short_tmp_path: Path,
 ) -> None:
-    config, _ = tiny_config(tmp_path)
+    config, _ = tiny_config(short_tmp_path)
     paths = RunPaths.of_config(config)
     trainer = Wakeup(paths.wakeup, TRAINER, "loop")
     explorer = Wakeup(paths.wakeup, EXPLORER, "builtin")
+    assert trainer.poll_s == explorer.poll_s == LISTENING_POLL_S  # both listen
     try:
         for side, waiter, land in (
             (TRAINER, trainer, lambda: fill_buffer(config, 1, seed=1)),
