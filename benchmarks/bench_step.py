@@ -110,7 +110,12 @@ def run_method(
         stdout, sys.stdout = sys.stdout, sys.stderr  # stdout ends with one JSON line
         try:
             memory = PeakPss(extra=lambda: engine_processes(paths)) if sample_memory else None
-            cpu = CpuTimeline(extra=lambda: engine_processes(paths))
+            # sampled until step 2 is trained: only the start is read from it (step 1's
+            # materialisation is logged by then), and sampling costs the run 7% of a core
+            cpu = CpuTimeline(
+                extra=lambda: engine_processes(paths),
+                until=lambda: read_record(paths, 2) is not None,
+            )
             with memory or contextlib.nullcontext(), cpu:
                 run_training(config, REPO_ROOT / "workspace.yaml")
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 from benchmarks.process_cpu import CpuTimeline
@@ -25,3 +26,16 @@ def test_cpu_of_a_child_is_counted_in_the_window_it_used_it() -> None:
     assert "python" in cpu.labels[child.pid] and "-c" in cpu.labels[child.pid]
     assert cpu.used_between(after, time.time()).get(child.pid, 0.0) == 0.0  # ended: no more
     assert cpu.used_between(0.0, before).get(child.pid, 0.0) == 0.0  # not started yet
+
+
+def test_sampling_ends_with_the_first_sample_once_until_held() -> None:
+    done = threading.Event()
+    with CpuTimeline(interval_s=0.02, until=done.is_set) as cpu:
+        time.sleep(0.1)
+        done.set()
+        time.sleep(0.2)  # one more sample, then none
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+        time.sleep(0.2)
+        child.wait()
+    assert "this process" in cpu.labels.values()
+    assert child.pid not in cpu.labels  # started after sampling ended
