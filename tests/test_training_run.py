@@ -2,6 +2,7 @@
 what it stops when it is stopped."""
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from trinity_dagster.commands.run_summary import (
 from trinity_dagster.commands.training_run import extend_finished_run
 from trinity_dagster.config import load_config
 from trinity_dagster.explorer.eval_versions import versions_to_evaluate
+from trinity_dagster.graph_names import LOOP_SENSOR
 from trinity_dagster.handoff.end_of_data import end_of_data, mark_end_of_data
 from trinity_dagster.handoff.trainer_state import read_trainer_state, write_trainer_state
 from trinity_dagster.paths import RunPaths
@@ -400,3 +402,83 @@ def test_a_stop_signal_during_a_launch_is_raised_once_the_launch_is_recorded() -
             launched.append("daemon")
         assert launched == ["daemon"]  # the clean-up knows what to stop
     assert stopped.value.exit_code == 128 + signal.SIGTERM
+
+
+def _sensor_tick(instance, status: str, failures: int, error: str = "ValueError") -> None:
+    """A tick of `rft_loop_sensor` as the daemon records it (its state added if new)."""
+    from dagster._core.remote_origin import (
+        GrpcServerCodeLocationOrigin,
+        RemoteInstigatorOrigin,
+        RemoteRepositoryOrigin,
+    )
+    from dagster._core.scheduler.instigation import (
+        InstigatorState,
+        InstigatorStatus,
+        InstigatorType,
+        TickData,
+        TickStatus,
+    )
+    from dagster._utils.error import SerializableErrorInfo
+
+    location = GrpcServerCodeLocationOrigin(host="127.0.0.1", port=1, location_name="loc")
+    origin = RemoteInstigatorOrigin(RemoteRepositoryOrigin(location, "__repository__"), LOOP_SENSOR)
+    state = InstigatorState(origin, InstigatorType.SENSOR, InstigatorStatus.RUNNING)
+    if not instance.all_instigator_state():
+        instance.add_instigator_state(state)
+    failed = status == "failure"
+    instance.create_tick(
+        TickData(
+            instigator_origin_id=state.instigator_origin_id,
+            instigator_name=LOOP_SENSOR,
+            instigator_type=InstigatorType.SENSOR,
+            status=TickStatus.FAILURE if failed else TickStatus.SKIPPED,
+            timestamp=time.time(),
+            error=SerializableErrorInfo("the sensor broke", [], error) if failed else None,
+            consecutive_failure_count=failures,
+            selector_id=state.selector_id,
+        )
+    )
+
+
+def test_the_sensor_counts_as_failed_after_its_third_failed_tick_in_a_row(tmp_path: Path) -> None:
+    import dagster as dg
+
+    from trinity_dagster.commands.instance_progress import Progress
+
+    config, _ = tiny_config(tmp_path)
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        progress = Progress(instance, config)
+        assert progress.sensor_failure() is None  # no sensor yet
+        _sensor_tick(instance, "failure", 2)
+        assert progress.sensor_failure() is None
+        _sensor_tick(instance, "failure", 3, error="DagsterUserCodeUnreachableError")
+        assert progress.sensor_failure() is None  # the daemon retries an unreachable server
+        _sensor_tick(instance, "failure", 3)
+        failure = progress.sensor_failure()
+        assert failure is not None
+        assert failure.startswith(f"{LOOP_SENSOR} failed 3 ticks in a row: the sensor broke")
+        _sensor_tick(instance, "skipped", 0)
+        assert progress.sensor_failure() is None
+
+
+def test_a_failure_ends_the_watch_and_failures_are_read_every_few_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config, _ = tiny_config(tmp_path, {"trainer": {"total_steps": 4}})
+    paths = RunPaths.of_config(config)
+    monkeypatch.setattr(training_run, "PROGRESS_POLL_S", 0.05)
+    monkeypatch.setattr(training_run, "FAILURE_POLL_S", 0.5)
+    reads: list[float] = []
+
+    class Failing(_QuietProgress):
+        def final_failure(self) -> str | None:
+            reads.append(time.monotonic())
+            return "train run r1 failed: boom" if len(reads) == 3 else None
+
+    class Daemon:
+        def poll(self) -> None:
+            return None
+
+    with pytest.raises(TrainingRunError, match="train run r1 failed: boom"):
+        training_run._watch(Failing(config), Daemon(), NO_SERVERS, paths)  # type: ignore[arg-type]
+    assert all(b - a >= 0.5 for a, b in itertools.pairwise(reads)), reads  # not at every poll

@@ -40,6 +40,7 @@ class Progress:
         self.cursors: dict[str, str | None] = {ROLLOUTS: None, TRAIN: None}
         self.reported_failures: set[str] = set()
         self.reported_retries: set[str] = set()
+        self._loop_sensor: tuple[str, str] | None = None  # its origin and selector ids
 
     def new_lines(self) -> list[str]:
         """One line per explore or train step recorded since the last call, and per run
@@ -104,20 +105,28 @@ class Progress:
         A sensor that raises on every tick would otherwise leave the run waiting forever; a
         code server that is not reachable yet (the daemon retries it) does not count.
         """
-        for state in self.instance.all_instigator_state():
-            if state.instigator_name != LOOP_SENSOR:
-                continue
-            ticks = self.instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=1)
-            tick = ticks[0] if ticks else None
-            if tick is None or not tick.is_failure or tick.error is None:
-                continue
-            if tick.error.cls_name == "DagsterUserCodeUnreachableError":
-                continue
-            if tick.consecutive_failure_count >= FAILED_TICKS:
-                return (
-                    f"{LOOP_SENSOR} failed {tick.consecutive_failure_count} ticks in a row: "
-                    f"{tick.error.to_string()}"
-                )
+        if self._loop_sensor is None:
+            self._loop_sensor = next(
+                (
+                    (state.instigator_origin_id, state.selector_id)
+                    for state in self.instance.all_instigator_state()
+                    if state.instigator_name == LOOP_SENSOR
+                ),
+                None,
+            )
+            if self._loop_sensor is None:
+                return None  # not started yet
+        ticks = self.instance.get_ticks(*self._loop_sensor, limit=1)
+        tick = ticks[0] if ticks else None
+        if tick is None or not tick.is_failure or tick.error is None:
+            return None
+        if tick.error.cls_name == "DagsterUserCodeUnreachableError":
+            return None
+        if tick.consecutive_failure_count >= FAILED_TICKS:
+            return (
+                f"{LOOP_SENSOR} failed {tick.consecutive_failure_count} ticks in a row: "
+                f"{tick.error.to_string()}"
+            )
         return None
 
     def final_failure(self) -> str | None:

@@ -62,6 +62,8 @@ from trinity_dagster.paths import RunPaths
 log = logging.getLogger(__name__)
 
 PROGRESS_POLL_S = 1.0
+# between reads of failed runs and sensor ticks (about 20 ms of CPU each time)
+FAILURE_POLL_S = 5.0
 # how long a stop waits for the early engine start to have started its processes
 ENGINE_LAUNCH_WAIT_S = 10.0
 # how long the end waits for the explorer's run, once it recorded the run's scores, to end
@@ -232,13 +234,17 @@ def _watch(
     config = progress.config
     paused_seen: float | None = None
     scored_at: float | None = None
+    failures_read_at: float | None = None
     while True:
         raise_if_stopped()
         for line in progress.new_lines():
             print(line, flush=True)
-        failure = progress.final_failure() or progress.sensor_failure()
-        if failure is not None:
-            raise TrainingRunError(failure)
+        now = time.monotonic()
+        if failures_read_at is None or now - failures_read_at >= FAILURE_POLL_S:
+            failures_read_at = now
+            failure = progress.final_failure() or progress.sensor_failure()
+            if failure is not None:
+                raise TrainingRunError(failure)
         if daemon.poll() is not None:
             raise TrainingRunError(
                 f"dagster-daemon exited with {daemon.returncode}; see {paths.daemon_log}"
