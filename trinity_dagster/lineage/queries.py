@@ -93,28 +93,20 @@ def _first_at_or_after(values: list[int], step: int) -> int | None:
 
 def checkpoint_lineage(view: LedgerView, step: int) -> dict[str, Any]:
     """Steps 1..`step` behind checkpoint `step`: batches, producing weights, gaps."""
-    rows, train = _rows_behind(view, step)
-    return {**_totals(view, step, rows, train), "chain": _chain(rows, train)}
+    totals, rows, train = _totals(view, step)
+    return {**totals, "chain": _chain(rows, train)}
 
 
 def checkpoint_totals(view: LedgerView, step: int) -> dict[str, Any]:
     """`checkpoint_lineage` without its per-step chain: the counts, gaps and staleness."""
-    rows, train = _rows_behind(view, step)
-    return _totals(view, step, rows, train)
+    return _totals(view, step)[0]
 
 
-def _rows_behind(view: LedgerView, step: int) -> tuple[pa.Table, pa.Table]:
-    """The ledger's rows of steps 1..`step`, and those of them that were trained."""
+def _totals(view: LedgerView, step: int) -> tuple[dict[str, Any], pa.Table, pa.Table]:
+    """`checkpoint_totals`, with the ledger rows of steps 1..`step` it read and those of them
+    that were trained."""
     if step < 1:
         raise LineageQueryError(f"checkpoint {step}: checkpoints are of steps >= 1")
-    rows = view.step_rows(
-        ["step", "kind", "model_version", "batch_version", "source_version"],
-        ds.field("step") <= step,
-    )
-    return rows, rows.filter(pc.equal(rows.column("kind"), "train"))
-
-
-def _totals(view: LedgerView, step: int, rows: pa.Table, train: pa.Table) -> dict[str, Any]:
     trained = recorded_steps(view.paths)
     ckpt = checkpoint_dir(view.paths, step)
     on_disk = (ckpt / MANIFEST_FILE).is_file()
@@ -122,9 +114,14 @@ def _totals(view: LedgerView, step: int, rows: pa.Table, train: pa.Table) -> dic
         raise LineageQueryError(
             f"step {step} has not been trained (newest trained step: {max(trained, default=0)})"
         )
+    rows = view.step_rows(
+        ["step", "kind", "model_version", "batch_version", "source_version"],
+        ds.field("step") <= step,
+    )
+    train = rows.filter(pc.equal(rows.column("kind"), "train"))
     pinned = set(pc.unique(rows.column("step")).to_pylist())
     staleness = pc.subtract(pc.subtract(train.column("step"), 1), train.column("model_version"))
-    return {
+    totals = {
         "checkpoint": step,
         "path": str(ckpt),
         "on_disk": on_disk,
@@ -138,6 +135,7 @@ def _totals(view: LedgerView, step: int, rows: pa.Table, train: pa.Table) -> dic
         "staleness_min": pc.min(staleness).as_py(),
         "staleness_max": pc.max(staleness).as_py(),
     }
+    return totals, rows, train
 
 
 def _chain(rows: pa.Table, train: pa.Table) -> list[dict[str, Any]]:
