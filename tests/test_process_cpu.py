@@ -13,7 +13,7 @@ BURN = "import time\nstart = time.process_time()\nwhile time.process_time() - st
 
 
 def test_cpu_of_a_child_is_counted_in_the_window_it_used_it() -> None:
-    with CpuTimeline(interval_s=0.02) as cpu:
+    with CpuTimeline(interval_s=0.02, list_every_s=0.02) as cpu:
         time.sleep(0.1)
         before = time.time()
         child = subprocess.Popen([sys.executable, "-c", BURN + "time.sleep(0.3)"])
@@ -39,3 +39,21 @@ def test_sampling_ends_with_the_first_sample_once_until_held() -> None:
         child.wait()
     assert "this process" in cpu.labels.values()
     assert child.pid not in cpu.labels  # started after sampling ended
+
+
+def test_processes_are_found_every_list_interval_and_counted_from_their_start() -> None:
+    listings = []
+
+    def extra() -> list:
+        listings.append(time.monotonic())
+        return []
+
+    with CpuTimeline(extra=extra, interval_s=0.02, list_every_s=0.6) as cpu:
+        started = time.time()
+        child = subprocess.Popen([sys.executable, "-c", BURN + "time.sleep(1.0)"])
+        time.sleep(1.3)  # found at the second listing, 0.6 s in, after it burned
+        found_at = time.time()
+        child.wait()
+    assert 2 <= len(listings) <= 4  # at 0, 0.6 and 1.2 s: not at every sample (about 65)
+    burned = cpu.used_between(started, found_at)[child.pid]
+    assert 0.3 <= burned <= 0.8  # the burning it did before it was found counts
