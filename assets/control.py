@@ -32,7 +32,6 @@ from trinity_dagster.handoff.trainer_state import (
     write_trainer_state,
 )
 from trinity_dagster.paths import RunPaths
-from trinity_dagster.trainer import Trainer
 
 # what an asset's or op's body gets: both know their run
 RunContext = dg.AssetExecutionContext | dg.OpExecutionContext
@@ -139,6 +138,8 @@ def stop(
     fail_if_finished(paths)
     found = ask_trainer(context, run_config, "stop")
     if found is None:
+        from trinity_dagster.trainer import Trainer  # its data libraries: in the run worker only
+
         trainer = Trainer(run_config.config, engine.wrapper())  # closed with the resource
         trainer.engine.prepare()
         trainer.last_sync_step = trainer.engine.last_sync_step

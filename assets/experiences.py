@@ -1,12 +1,12 @@
-"""`experiences`: the Delta table explorers append to, observed (row count, table version)."""
+"""`experiences`: the Delta table explorers append to, observed (row count, table version).
+
+The observation and the check import the data libraries when they run (in a run worker), so
+the code server loads this module without them.
+"""
 
 import dagster as dg
-import pyarrow as pa
 
 from resources.run_config import RunConfigResource
-from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
-from trinity_dagster.buffer.stats import table_stats
-from trinity_dagster.buffer.tables import open_table
 
 EXPERIENCES = "experiences"
 
@@ -18,6 +18,8 @@ EXPERIENCES = "experiences"
 )
 def experiences(run_config: RunConfigResource) -> dg.ObserveResult:
     """Row count, table version and unconsumed rows of the experiences table."""
+    from trinity_dagster.buffer.stats import table_stats
+
     stats = table_stats(run_config.config)
     return dg.ObserveResult(
         data_version=dg.DataVersion(str(stats["table_version"])),
@@ -27,6 +29,11 @@ def experiences(run_config: RunConfigResource) -> dg.ObserveResult:
 
 def schema_problems(location: str) -> list[str]:
     """Differences between the Delta table at `location` and the experience schema."""
+    import pyarrow as pa
+
+    from trinity_dagster.buffer.schema import EXPERIENCE_SCHEMA
+    from trinity_dagster.buffer.tables import open_table
+
     table = open_table(location)
     if table is None:
         return [f"no Delta table at {location}"]

@@ -28,7 +28,6 @@ from trinity_dagster.graph_names import (
     TRAINED_EXACTLY_ONCE,
 )
 from trinity_dagster.lineage.checkpoint_summary import read_summary, write_summary
-from trinity_dagster.lineage.verify import verify_trained_once
 from trinity_dagster.paths import RunPaths
 
 # the event tags Dagster reads an asset event's data version and its inputs' from
@@ -118,6 +117,8 @@ def trained_once_evaluation(run_config: RunConfigResource) -> dg.AssetCheckEvalu
 
 def trained_once_verdict(run_config: RunConfigResource) -> dict[str, Any]:
     """`passed`, `description` (the problems, None if none) and `metadata` of the proof."""
+    from trinity_dagster.lineage.verify import verify_trained_once  # pyarrow: not in the sensor
+
     verdict = verify_trained_once(run_config.paths, run_config.config.buffer.reuse_limit)
     counts = {name: value for name, value in verdict.counts.items() if name != "cursor"}
     return {

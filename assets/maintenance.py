@@ -7,11 +7,9 @@ from typing import Any
 import dagster as dg
 
 from resources.run_config import RunConfigResource
-from trinity_dagster.buffer.maintenance import clean_logs, compact, vacuum
 from trinity_dagster.checkpoint import retention
 from trinity_dagster.checkpoint.rules import sft_model_step
 from trinity_dagster.config import TrinityConfig
-from trinity_dagster.lineage.ledger import update_ledger
 from trinity_dagster.paths import RunPaths
 
 
@@ -22,6 +20,9 @@ def maintain(config: TrinityConfig) -> dict[str, Any]:
     every commit's metadata before the log clean-up deletes old commit files. Vacuum uses
     `dagster.vacuum_retention_hours`, which overrides Delta's minimum.
     """
+    from trinity_dagster.buffer.maintenance import clean_logs, compact, vacuum
+    from trinity_dagster.lineage.ledger import update_ledger
+
     return {
         "ledger": update_ledger(RunPaths.of_config(config)),
         "compacted": compact(config),

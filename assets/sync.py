@@ -9,18 +9,29 @@ itself. It takes no `engine` pool slot, so it never waits for the end of trainin
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
 
 from assets.control import ask_trainer, request_id
 from assets.partitions import step_partitions
 from assets.step_runs import run_steps, step_materialization
-from assets.training import sync_metadata
 from resources.engine import EngineResource
 from resources.run_config import RunConfigResource
 from trinity_dagster.checkpoint.publish import published_info
 from trinity_dagster.graph_names import SYNCED, TRAIN
 from trinity_dagster.handoff import control
+
+
+def sync_metadata(info: dict[str, Any]) -> dict[str, Any]:
+    """Version, size and where published weights are: their path, or for weights held for
+    collective transfers (sync_method `nccl`) the address explorers receive them from."""
+    where: dict[str, Any] = (
+        {"path": dg.MetadataValue.path(info["path"])}
+        if "path" in info
+        else {"sent_from": f"{info['backend']} group at {info['address']}:{info['port']}"}
+    )
+    return {"version": info["version"], **where, "size_bytes": info["size_bytes"]}
 
 
 @dg.multi_asset(

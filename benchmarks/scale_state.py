@@ -173,7 +173,9 @@ class InstanceState:
 
         from assets.lineage import INPUT_DATA_VERSION_TAG, data_version, step_upstream
         from assets.step_runs import step_materialization
-        from assets.training import CHECKS, sync_metadata, train_metadata
+        from assets.sync import sync_metadata
+        from assets.train_loop import train_metadata
+        from assets.training import CHECKS
         from trinity_dagster.graph_names import BATCH, SYNCED, TRAIN
 
         dg = self.dg

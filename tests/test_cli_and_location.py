@@ -89,10 +89,13 @@ def test_run_without_a_workspace_fails_with_the_cause_and_no_traceback(tmp_path:
     assert "Traceback" not in out.stderr
 
 
-def test_code_location_imports_no_torch_or_megatron() -> None:
+def test_code_location_imports_neither_torch_nor_the_data_libraries() -> None:
+    """The code server loads the definitions and runs the sensors for a whole training: the
+    asset bodies that need torch or the Delta tables import them in the run workers."""
+    heavy = ("torch", "megatron", "transformers", "pyarrow", "deltalake", "numpy", "tokenizers")
     probe = (
-        "import sys, time; t = time.perf_counter(); import assets.definitions as d; "
-        "heavy = sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules); "
+        "import sys; import assets.definitions as d; "
+        f"heavy = sorted(m for m in {heavy!r} if m in sys.modules); "
         "print(heavy, len(d.defs.resolve_asset_graph().get_all_asset_keys()))"
     )
     out = run(sys.executable, "-c", probe)

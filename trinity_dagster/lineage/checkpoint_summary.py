@@ -6,7 +6,8 @@ the run that asked for the save) then reads a small file instead of the Delta ta
 code server, which runs the sensor for the whole training, does not grow by what the scans of
 those tables keep (60-80 MB for a hundred steps' batches).
 A missing or unreadable summary (a checkpoint saved by an older version, a file torn by a
-crash) is computed where it is asked for.
+crash) is computed where it is asked for. Reading one needs no data library: the ledger's
+modules (pyarrow, deltalake) are imported when a summary is computed.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from trinity_dagster.files import write_text_atomic
-from trinity_dagster.lineage.ledger import update_ledger
-from trinity_dagster.lineage.queries import LedgerView, checkpoint_totals
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.step_keys import step_key
 
@@ -42,6 +41,9 @@ def write_summary(paths: RunPaths, step: int) -> dict[str, Any]:
 
     Raises `LineageQueryError` if step `step` has not been trained.
     """
+    from trinity_dagster.lineage.ledger import update_ledger
+    from trinity_dagster.lineage.queries import LedgerView, checkpoint_totals
+
     update_ledger(paths)
     answer = checkpoint_totals(LedgerView.open(paths), step)
     summary = {

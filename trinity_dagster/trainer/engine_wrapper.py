@@ -15,9 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from trinity_dagster.buffer.sampler import PinResult
 from trinity_dagster.config import TrinityConfig
 from trinity_dagster.paths import RunPaths
 from trinity_dagster.service.launcher import (
@@ -31,6 +30,9 @@ from trinity_dagster.service.launcher import (
 from trinity_dagster.service.owner import dagster_deployment
 from trinity_dagster.service_api.client import EngineClient, EngineError, EngineUnreachable
 from trinity_dagster.service_api.state import ServiceState, read_state, read_token
+
+if TYPE_CHECKING:
+    from trinity_dagster.buffer.sampler import PinResult
 
 T = TypeVar("T")
 PENDING_POLL_S = 0.2
