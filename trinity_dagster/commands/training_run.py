@@ -127,6 +127,9 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     started = time.perf_counter()
     steps = f"{total} steps" if total is not None else "until the data ends"
     print(f"trinity-dagster: training {steps} under {paths.root} (dagster-daemon)", flush=True)
+    # opened before the code servers and the daemon start, each of which opens it too: two
+    # processes creating a fresh instance's storages at once can both stamp their schema
+    # version, and the next process to open them fails
     instance = dg.DagsterInstance.get()
     progress = Progress(instance, config)
     engine_launched: threading.Event | None = None
