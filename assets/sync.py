@@ -1,7 +1,7 @@
 """`synced_weights`: weights of a step published to explorers, on a user's request.
 
 The trainer loop publishes weights as its sync rules say and logs `synced_weights[N]` itself
-(`assets.training`). Materialising `synced_weights[N]` from the UI is "sync now": during
+(`assets.train_loop`). Materialising `synced_weights[N]` from the UI is "sync now": during
 training the running loop publishes the current step's weights at its next step boundary
 (or at once while it waits for data) and this run records them; weights already published
 are recorded at once. With no trainer loop alive the run publishes through the engine
