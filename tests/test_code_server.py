@@ -48,7 +48,7 @@ def test_the_daemons_workspace_loads_the_code_location_from_the_server_started_h
             assert repository.has_job(ROLLOUTS_JOB)
         assert exited_code_server(servers) is None
     finally:
-        stop_sessions(None, servers.processes)
+        stop_sessions(servers.processes)
         remove_sockets(servers)
     assert exited_code_server(servers) is server
     assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == "zombie"
@@ -79,7 +79,7 @@ def test_a_code_server_that_exits_while_starting_is_named_with_its_log(tmp_path:
             wait_until_serving(servers, paths, timeout_s=30)
         assert str(paths.code_server_log) in str(raised.value)
     finally:
-        stop_sessions(None, servers.processes)
+        stop_sessions(servers.processes)
         remove_sockets(servers)
 
 

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+import dagster as dg
 import psutil
 import pytest
 
@@ -133,7 +134,7 @@ def test_the_sft_models_weights_are_evaluated_while_they_are_on_disk(tmp_path: P
 
 
 SLEEPER = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
-DAEMON = (
+CODE_SERVER = (
     "import subprocess, sys, time; "
     "worker = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
     "print(worker.pid, flush=True); time.sleep(600)"
@@ -141,7 +142,7 @@ DAEMON = (
 
 
 def started(command: list[str]) -> subprocess.Popen:
-    """`command` in a session of its own, as the daemon and the engine service start."""
+    """`command` in a session of its own, as a code server and the engine service start."""
     return subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE, text=True)
 
 
@@ -161,14 +162,26 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_stopping_a_run_ends_the_daemon_its_workers_and_an_engine_still_starting(
+class StoppingDaemon:
+    """Stands for the daemon: records whether the code server got SIGTERM before its stop."""
+
+    def __init__(self, server: subprocess.Popen) -> None:
+        self.server = server
+        self.server_signalled_first: bool | None = None
+
+    def stop(self) -> None:
+        self.server_signalled_first = self.server.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_stopping_a_run_ends_its_workers_the_daemon_and_an_engine_still_starting(
     tmp_path: Path,
 ) -> None:
     paths = RunPaths.of(tmp_path / "run")
     other = RunPaths.of(tmp_path / "other")
-    daemon = started([sys.executable, "-c", DAEMON, SLEEPER])  # its worker ignores SIGTERM
-    assert daemon.stdout is not None
-    worker = int(daemon.stdout.readline())
+    server = started([sys.executable, "-c", CODE_SERVER, SLEEPER])  # its worker ignores SIGTERM
+    assert server.stdout is not None
+    worker = int(server.stdout.readline())
+    daemon = StoppingDaemon(server)
     engine = [fake_engine(paths, AGENT_MODULE), fake_engine(paths, RANK_MODULE)]
     unrelated = fake_engine(other, AGENT_MODULE)
     try:
@@ -178,14 +191,15 @@ def test_stopping_a_run_ends_the_daemon_its_workers_and_an_engine_still_starting
         assert sorted(p.pid for p in engine_processes(paths)) == sorted(p.pid for p in engine)
         assert read_state(paths) is None  # still starting: no state file names it
 
-        stop_run(daemon, [], paths)
+        stop_run(daemon, [server], paths)  # type: ignore[arg-type]
 
-        assert daemon.returncode is not None and gone(worker)
+        # the workers get SIGTERM, then the daemon's stop to end, then SIGKILL
+        assert daemon.server_signalled_first and gone(worker)
         for process in engine:
             process.wait(timeout=10)
         assert unrelated.poll() is None  # another run root's engine is left alone
     finally:
-        for process in (daemon, *engine, unrelated):
+        for process in (server, *engine, unrelated):
             process.kill()
             process.wait()
 
@@ -239,8 +253,8 @@ def wait_until(what: str, ready: Callable[[], bool], timeout_s: float) -> None:
 class StoppedRun:
     """`trinity-dagster run` of a tiny config in a subprocess, to be stopped by a signal."""
 
-    def __init__(self, tmp_path: Path) -> None:
-        config, config_file = tiny_config(tmp_path)
+    def __init__(self, tmp_path: Path, extra: dict | None = None) -> None:
+        config, config_file = tiny_config(tmp_path, extra)
         self.paths = RunPaths.of_config(config)
         command = [str(Path(sys.executable).parent / "trinity-dagster"), "run", "-c"]
         self.process = subprocess.Popen(
@@ -274,7 +288,7 @@ class StoppedRun:
 def test_ctrl_c_stops_the_daemon_and_prints_one_line(tmp_path: Path) -> None:
     run = StoppedRun(tmp_path)
     try:
-        wait_until("dagster-daemon", lambda: bool(run.started()), timeout_s=120)
+        wait_until("the code server", lambda: bool(run.started()), timeout_s=120)
         stderr = run.stop(signal.SIGINT)
         assert stderr == "trinity-dagster: stopped by SIGINT: daemon, runs and engine stopped\n"
         assert run.started() == []
@@ -293,6 +307,33 @@ def test_sigterm_stops_the_runs_and_an_engine_still_starting(tmp_path: Path) -> 
         assert run.started() == []
         time.sleep(5)  # nothing comes up late
         assert run.started() == [] and engine_processes(run.paths) == []
+    finally:
+        run.kill_leftovers()
+
+
+def test_a_run_stopped_while_it_trains_runs_the_daemon_itself_and_stops_everything(
+    tmp_path: Path,
+) -> None:
+    run = StoppedRun(tmp_path, {"trainer": {"total_steps": 400}})
+    try:
+        assert run.process.stdout is not None
+        for line in run.process.stdout:
+            if line.startswith("[  3/400] train"):
+                break
+        # the daemon's threads are the command's: none of the processes it started is one
+        commands = [" ".join(psutil.Process(pid).cmdline()) for pid in run.started()]
+        assert commands and not any("daemon" in command for command in commands), commands
+        with dg.DagsterInstance.from_config(str(run.paths.dagster_home)) as instance:
+            beating = set(instance.get_daemon_heartbeats())
+        assert {"SENSOR", "QUEUED_RUN_COORDINATOR", "MONITORING"} <= beating
+
+        stderr = run.stop(signal.SIGINT)
+
+        assert stderr == "trinity-dagster: stopped by SIGINT: daemon, runs and engine stopped\n"
+        assert run.started() == [] and engine_processes(run.paths) == []
+        daemon_log = run.paths.daemon_log.read_text()
+        assert "Checking for new runs for sensor" in daemon_log
+        assert "Daemon threads shut down." in daemon_log
     finally:
         run.kill_leftovers()
 
@@ -333,7 +374,7 @@ def test_run_says_once_that_training_is_paused(
     polls = {"n": 0}
 
     class Daemon:
-        def poll(self) -> None:
+        def check(self) -> None:
             polls["n"] += 1
             if polls["n"] == 5:  # the user resumed, and training went on to its end
                 write_trainer_state(paths, "finished", 4, "trained all 4 steps")
@@ -359,7 +400,7 @@ def test_a_stop_signal_whose_raise_was_lost_is_raised_by_the_watch_loop(
     paths = RunPaths.of_config(config)
 
     class Daemon:
-        def poll(self) -> None:  # without the stop, training ends normally
+        def check(self) -> None:  # without the stop, training ends normally
             write_trainer_state(paths, "finished", 4, "trained all 4 steps")
 
     # Python reports a dropped raise ("Exception ignored in ...", on stderr) through
@@ -476,7 +517,7 @@ def test_a_failure_ends_the_watch_and_failures_are_read_every_few_seconds(
             return "train run r1 failed: boom" if len(reads) == 3 else None
 
     class Daemon:
-        def poll(self) -> None:
+        def check(self) -> None:
             return None
 
     with pytest.raises(TrainingRunError, match="train run r1 failed: boom"):

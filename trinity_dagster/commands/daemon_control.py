@@ -1,6 +1,6 @@
-"""What `trinity-dagster run` starts and stops: the run's instance settings, `dagster-daemon
-run` on the workspace of its code servers, the engine service's processes, and the stop
-signals that end them."""
+"""What `trinity-dagster run` starts and stops: the run's instance settings, the code servers
+with their run workers, the daemon, the engine service's processes, and the stop signals that
+end them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from trinity_dagster.paths import RunPaths
 if TYPE_CHECKING:
     import psutil
 
-    from trinity_dagster.commands.code_server import CodeServers
+    from trinity_dagster.commands.daemon_in_process import DaemonInProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -137,43 +137,19 @@ def dagster_dev_command(config: TrinityConfig, config_file: Path, workspace: Pat
     )
 
 
-def start_daemon(paths: RunPaths, servers: CodeServers, cwd: Path) -> subprocess.Popen:
-    """`dagster-daemon run` on the code servers' workspace (`code_server`), started beside
-    them and loading it once they serve (`daemon_main`), in its own session, logging under
-    `logs/`."""
-    paths.logs.mkdir(parents=True, exist_ok=True)
-    log = open(paths.daemon_log, "ab")  # noqa: SIM115 (owned by the child)
-    command = [
-        *[sys.executable, "-m", "trinity_dagster.commands.daemon_main"],
-        *[str(sock) for sock in servers.sockets],
-        *["--", "run", "-w", str(servers.workspace)],
-    ]
-    return subprocess.Popen(
-        command,
-        cwd=cwd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=os.environ.copy(),
-    )
-
-
 def stop_sessions(
-    daemon: subprocess.Popen | None, servers: Sequence[subprocess.Popen], timeout_s: float = 60.0
+    servers: Sequence[subprocess.Popen], grace: Callable[[], None] = lambda: None
 ) -> None:
-    """Stop the daemon and the code servers, each started in a session of its own, with
-    everything they started there (a code server's run workers): SIGTERM to every session at
-    once, then, once the daemon ended (or after `timeout_s`), SIGKILL to what is left. A
-    code server's graceful stop waits for calls the stopped daemon no longer makes."""
-    processes = [p for p in (daemon, *servers) if p is not None]
-    for process in processes:
+    """Stop the code servers, each started in a session of its own, with everything they
+    started there (a server's run workers): SIGTERM to every session, then `grace()` (the
+    daemon's stop), then SIGKILL to what is left. A code server's graceful stop waits for
+    calls the stopped daemon no longer makes."""
+    for process in servers:
         if process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
-    if daemon is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            daemon.wait(timeout=timeout_s)
-    for process in processes:
+    grace()
+    for process in servers:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -196,15 +172,16 @@ def engine_processes(paths: RunPaths) -> list[psutil.Process]:
 
 
 def stop_run(
-    daemon: subprocess.Popen | None, servers: Sequence[subprocess.Popen], paths: RunPaths
+    daemon: DaemonInProcess | None, servers: Sequence[subprocess.Popen], paths: RunPaths
 ) -> None:
-    """Stop what a training run started: the daemon and the code servers with their run
-    workers (those that got started), then the run root's engine service, cleanly if it
-    answers, and any of its processes left here."""
+    """Stop what a training run started: the code servers with their run workers and the
+    daemon (those that got started; the workers have the daemon's stop to end on SIGTERM),
+    then the run root's engine service, cleanly if it answers, and any of its processes
+    left here."""
     from trinity_dagster.service.launcher import STOP_GRACE_S, stop_service
     from trinity_dagster.service.processes import end_processes
 
-    stop_sessions(daemon, servers)
+    stop_sessions(servers, grace=daemon.stop if daemon is not None else lambda: None)
     stop_service(paths)
     # twice: a rank that its agent started as the agent was being stopped may still be there
     for _ in range(2):

@@ -2,7 +2,8 @@
 
 The command prepares the run's Dagster instance under `run_root/dagster_home` (the settings
 of `trinity_dagster.dagster_instance`), starts the workspace's code server itself
-(`code_server`) and `dagster-daemon run` headless on it, and watches the instance: the
+(`code_server`), runs Dagster's daemon on it in its own process (`daemon_in_process`), and
+watches the instance: the
 daemon's sensors start the trainer and explorer loops and the evaluations, exactly as under
 `dagster dev`. It prints one line per recorded explore and train step, fails with the cause
 when a run fails for good, and ends when the trainer finished, the final weights are
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -35,11 +35,11 @@ from trinity_dagster.commands.daemon_control import (
     ignore_stop_signals,
     prepare_instance,
     raise_if_stopped,
-    start_daemon,
     stop_run,
     stop_signals_deferred,
     stop_signals_raise,
 )
+from trinity_dagster.commands.daemon_in_process import DaemonInProcess, import_daemon
 from trinity_dagster.commands.errors import TrainingRunError
 from trinity_dagster.commands.instance_progress import Progress
 from trinity_dagster.commands.run_summary import (
@@ -127,20 +127,22 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
     started = time.perf_counter()
     steps = f"{total} steps" if total is not None else "until the data ends"
     print(f"trinity-dagster: training {steps} under {paths.root} (dagster-daemon)", flush=True)
-    # opened before the code servers and the daemon start, each of which opens it too: two
-    # processes creating a fresh instance's storages at once can both stamp their schema
-    # version, and the next process to open them fails
+    # opened before the code servers start, which open it too: two processes creating a
+    # fresh instance's storages at once can both stamp their schema version, and the next
+    # process to open them fails
     instance = dg.DagsterInstance.get()
     progress = Progress(instance, config)
     engine_launched: threading.Event | None = None
     servers: CodeServers | None = None
-    daemon: subprocess.Popen | None = None
+    daemon: DaemonInProcess | None = None
     try:  # a stop signal may come at any point from here: stop whatever has started
         with stop_signals_deferred():
             engine_launched = start_engine_early(config)
             servers = start_code_servers(paths, workspace_file)
-            daemon = start_daemon(paths, servers, workspace_file.parent)
+        import_daemon()  # while the servers load the code location
         wait_until_serving(servers, paths)
+        with stop_signals_deferred():
+            daemon = DaemonInProcess(instance, servers.workspace, paths.daemon_log)
         final_version, scored, lineage = _watch(progress, daemon, servers, paths)
     finally:
         ignore_stop_signals()
@@ -226,7 +228,7 @@ def start_engine_early(config: TrinityConfig) -> threading.Event:
 
 
 def _watch(
-    progress: Progress, daemon: subprocess.Popen, servers: CodeServers, paths: RunPaths
+    progress: Progress, daemon: DaemonInProcess, servers: CodeServers, paths: RunPaths
 ) -> tuple[int, dict[int, dict[str, Any]], dict[str, Any]]:
     """Print progress until training finished and its evaluations and lineage check are
     recorded; returns the final weights version, the evaluation metadata by weights version
@@ -248,10 +250,7 @@ def _watch(
             failure = progress.final_failure() or progress.sensor_failure()
             if failure is not None:
                 raise TrainingRunError(failure)
-        if daemon.poll() is not None:
-            raise TrainingRunError(
-                f"dagster-daemon exited with {daemon.returncode}; see {paths.daemon_log}"
-            )
+        daemon.check()
         if (server := exited_code_server(servers)) is not None:
             raise TrainingRunError(
                 f"the Dagster code server exited with {server.returncode}; "
