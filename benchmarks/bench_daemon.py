@@ -5,8 +5,8 @@ The demo model (the embedded defaults of `trinity_dagster.config`) does `--steps
 explore step waits for the previous train step's weights), two ways, each in a fresh run root
 and a fresh Python process:
 - daemon: `run_training` (what `trinity-dagster run`/`demo` do): the instance settings are
-  written, the daemon runs headless on `workspace.yaml`'s code server, and its sensors launch the
-  long-lived trainer run (`Trainer.train`) and explorer run (`ExplorerLoop`), plus the
+  written, the daemon runs headless on `workspace.yaml`'s code server, and its sensors launch
+  the long-lived trainer run (`Trainer.train`) and explorer run (`ExplorerLoop`), plus the
   evaluations of the initial and the final weights. A step finishes at its `train_step[N]`
   materialisation (the instance's event timestamp, logged after the step's train and sync);
 - direct (the baseline): one `Explorer` (model kept loaded) in this process, then for each

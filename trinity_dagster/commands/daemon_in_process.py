@@ -25,8 +25,8 @@ LOG_LEVEL = "info"  # `dagster-daemon run`'s default
 
 
 def import_daemon() -> None:
-    """Import the daemon controller and its daemons (a CPU-second), so that a caller can do
-    it while the code servers load the code location."""
+    """Import the daemon controller and its daemons (about 0.4 CPU-seconds), so that a caller
+    can do it while the code servers load the code location."""
     from dagster._daemon.controller import create_daemons_from_instance  # noqa: F401
 
 
