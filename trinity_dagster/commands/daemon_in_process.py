@@ -57,11 +57,19 @@ class DaemonInProcess:
         except BaseException:
             self._stack.close()
             raise
-        self._workspace_loaded_at = time.time()
+        self._instance = instance
+        self._started_at = self._workspace_loaded_at = self._heartbeats_read_at = time.time()
 
     def check(self) -> None:
         """What `dagster-daemon run` does between its sleeps: fail if a daemon's thread has
-        stopped (`TrainingRunError`), and reload the workspace once a minute."""
+        stopped (`TrainingRunError`), reload the workspace once a minute, and once a minute,
+        from the second heartbeat interval on, log a warning naming the daemons whose
+        heartbeats are late."""
+        from dagster._daemon.controller import (
+            DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
+            HEARTBEAT_CHECK_INTERVAL,
+        )
+
         try:
             self._controller.check_daemon_threads()
         except Exception as err:
@@ -69,6 +77,14 @@ class DaemonInProcess:
         self._workspace_loaded_at = self._controller.check_workspace_freshness(
             self._workspace_loaded_at
         )
+        now = time.time()
+        if (
+            not self._instance.daemon_skip_heartbeats_without_errors
+            and now - self._started_at >= 2 * DEFAULT_HEARTBEAT_INTERVAL_SECONDS
+            and now - self._heartbeats_read_at >= HEARTBEAT_CHECK_INTERVAL
+        ):
+            self._controller.check_daemon_heartbeats()
+            self._heartbeats_read_at = time.time()
 
     def stop(self) -> None:
         """Stop the daemons' threads (each finishes what it is doing) and the controller."""
