@@ -24,12 +24,6 @@ if TYPE_CHECKING:
 LOG_LEVEL = "info"  # `dagster-daemon run`'s default
 
 
-def import_daemon() -> None:
-    """Import the daemon controller and its daemons (about 0.4 CPU-seconds), so that a caller
-    can do it while the code servers load the code location."""
-    from dagster._daemon.controller import create_daemons_from_instance  # noqa: F401
-
-
 class DaemonInProcess:
     """Dagster's daemon controller entered on `instance` and the workspace file `workspace`
     (the code servers must serve already: a location unreachable at the first load stays in
@@ -37,7 +31,11 @@ class DaemonInProcess:
 
     def __init__(self, instance: DagsterInstance, workspace: Path, log_file: Path) -> None:
         from dagster._core.workspace.load_target import WorkspaceFileTarget
-        from dagster._daemon.controller import daemon_controller_from_instance
+        from dagster._daemon.controller import (
+            DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
+            HEARTBEAT_CHECK_INTERVAL,
+            daemon_controller_from_instance,
+        )
 
         self.log_file = log_file
         log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -58,6 +56,9 @@ class DaemonInProcess:
             self._stack.close()
             raise
         self._instance = instance
+        # as `dagster-daemon run`: heartbeats read from the second heartbeat interval on
+        self._first_heartbeat_check_s = 2 * DEFAULT_HEARTBEAT_INTERVAL_SECONDS
+        self._heartbeat_check_every_s = HEARTBEAT_CHECK_INTERVAL
         self._started_at = self._workspace_loaded_at = self._heartbeats_read_at = time.time()
 
     def check(self) -> None:
@@ -65,11 +66,6 @@ class DaemonInProcess:
         stopped (`TrainingRunError`), reload the workspace once a minute, and once a minute,
         from the second heartbeat interval on, log a warning naming the daemons whose
         heartbeats are late."""
-        from dagster._daemon.controller import (
-            DEFAULT_HEARTBEAT_INTERVAL_SECONDS,
-            HEARTBEAT_CHECK_INTERVAL,
-        )
-
         try:
             self._controller.check_daemon_threads()
         except Exception as err:
@@ -80,8 +76,8 @@ class DaemonInProcess:
         now = time.time()
         if (
             not self._instance.daemon_skip_heartbeats_without_errors
-            and now - self._started_at >= 2 * DEFAULT_HEARTBEAT_INTERVAL_SECONDS
-            and now - self._heartbeats_read_at >= HEARTBEAT_CHECK_INTERVAL
+            and now - self._started_at >= self._first_heartbeat_check_s
+            and now - self._heartbeats_read_at >= self._heartbeat_check_every_s
         ):
             self._controller.check_daemon_heartbeats()
             self._heartbeats_read_at = time.time()

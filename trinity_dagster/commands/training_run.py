@@ -2,15 +2,15 @@
 
 The command prepares the run's Dagster instance under `run_root/dagster_home` (the settings
 of `trinity_dagster.dagster_instance`), starts the workspace's code server itself
-(`code_server`), runs Dagster's daemon on it in its own process (`daemon_in_process`), and
-watches the instance: the
-daemon's sensors start the trainer and explorer loops and the evaluations, exactly as under
-`dagster dev`. It prints one line per recorded explore and train step, fails with the cause
-when a run fails for good, and ends when the trainer finished, the final weights are
-evaluated and `trained_exactly_once` has checked the run's lineage (a failed check fails the
-command). `dagster dev` on the same instance shows the whole history afterwards. SIGINT or
-SIGTERM stops the daemon, the code server with its run workers and the run root's engine
-service (also one still starting) before the command exits.
+(`code_server`), runs Dagster's daemon on it in the command's own process
+(`daemon_in_process`), and watches the instance: the daemon's sensors start the trainer and
+explorer loops and the evaluations, exactly as under `dagster dev`. It prints one line per
+recorded explore and train step, fails with the cause when a run fails for good, and ends
+when the trainer finished, the final weights are evaluated and `trained_exactly_once` has
+checked the run's lineage (a failed check fails the command). `dagster dev` on the same
+instance shows the whole history afterwards. SIGINT or SIGTERM stops the daemon, the code
+server with its run workers and the run root's engine service (also one still starting)
+before the command exits.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from trinity_dagster.commands.daemon_control import (
     stop_signals_deferred,
     stop_signals_raise,
 )
-from trinity_dagster.commands.daemon_in_process import DaemonInProcess, import_daemon
+from trinity_dagster.commands.daemon_in_process import DaemonInProcess
 from trinity_dagster.commands.errors import TrainingRunError
 from trinity_dagster.commands.instance_progress import Progress
 from trinity_dagster.commands.run_summary import (
@@ -139,7 +139,6 @@ def _train(config: TrinityConfig, workspace_file: Path) -> dict[str, Any]:
         with stop_signals_deferred():
             engine_launched = start_engine_early(config)
             servers = start_code_servers(paths, workspace_file)
-        import_daemon()  # while the servers load the code location
         wait_until_serving(servers, paths)
         with stop_signals_deferred():
             daemon = DaemonInProcess(instance, servers.workspace, paths.daemon_log)
